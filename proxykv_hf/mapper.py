@@ -1,0 +1,372 @@
+"""HybridAxialMapper: proxy attention features -> per-target-KV-head importance scores.
+
+Paper section "HybridAxialMapper architecture". One shared network maps the features of one proxy layer,
+``(B, H_s, N)``, to logits for one target layer, ``(B, H_l, N)``, in three stages:
+
+1. conv stem: two ``Conv1d(k=3, p=1) + BatchNorm1d + GELU`` blocks, ``H_s -> stem_hidden -> d_time``;
+2. time encoder: sinusoidal positions + a pre-norm ``nn.TransformerEncoder`` over tokens, run in windows of
+   ``crop_len`` with stride ``stride`` and overlap averaging, so attention cost is O(N);
+3. head stage: per token, ``H_s`` synthetic key/value slots of width ``d_head`` are read by a learned bank of
+   ``H_l`` target queries, then ``Linear(d_head -> 1)``.
+
+``H_l`` counts the target's KV heads (ERRATA 4). Target layer ``l`` (1-based) reads proxy layer
+``ceil(l * L_s / L_l)``; without ``layer_embedding`` target layers sharing a proxy layer get identical
+scores, as in the paper (ERRATA 3). Scores follow the package convention: higher means keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+INPUT_TRANSFORMS = ("log1p", "none")
+TIME_ENCODERS = ("transformer", "meanpool", "none")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MapperConfig:
+    """Shape and hyper-parameters of a :class:`HybridAxialMapper`; field defaults are the paper preset.
+
+    Deliberate choices where the paper is inconsistent (see ``paper/ERRATA.md``):
+
+    * ``ffn_mult = 2``: the paper states FFN width ``4 * d_time`` *and* ~13M encoder parameters; only
+      ``2 * d_time`` gives 13M (12.6M for six layers vs 18.9M at 4x) and the stated ~15M total, so the
+      parameter budget wins (ERRATA 1). Set ``ffn_mult=4`` for the literal text.
+    * ``stem_hidden = 256``: a 512-wide first conv would put the second conv alone at 786k weights, above the
+      stated ~0.5M stem; 256 gives 0.42M (ERRATA 2).
+    * ``d_head = 48``: with separate K and V projections ``d_time -> H_s * d_head`` the head stage holds about
+      ``2 * d_time * H_s * d_head`` parameters; 48 gives 1.58M for ``H_s = 32`` (Llama-3.2-1B), matching the
+      stated ~1.5M, and is a multiple of 16.
+    * ``input_transform = "log1p"``: proxy features are accumulated attention (sums over up to N queries for
+      some scorers), so their scale grows with N and sink tokens dominate; ``log1p`` turns that growth into
+      an additive shift of ~log(2) per doubling and compresses the tail before BatchNorm. For max-aggregated
+      scores in [0, 1] it is close to the identity. Negative inputs are clamped to 0 first.
+    * ``dropout = 0.1``: the paper does not give one; this is PyTorch's encoder default.
+
+    Ablation switches: ``conv_stem=False`` replaces stage 1 by a pointwise ``Conv1d(k=1) + GELU``;
+    ``time_encoder="meanpool"`` replaces the transformer by adding the window's masked mean (no parameters),
+    ``"none"`` by the identity; ``head_stage=False`` replaces stage 3 by ``Linear(d_time -> H_l)``;
+    ``layer_embedding=True`` adds a learned target-layer embedding before stage 3 (ERRATA 3, off in the paper).
+    """
+
+    num_proxy_layers: int
+    num_proxy_heads: int
+    num_target_layers: int
+    num_target_heads: int
+    d_time: int = 512
+    stem_hidden: int = 256
+    num_encoder_layers: int = 6
+    num_encoder_heads: int = 8
+    ffn_mult: int = 2
+    d_head: int = 48
+    crop_len: int = 2048
+    stride: int = 1024
+    dropout: float = 0.1
+    input_transform: str = "log1p"
+    conv_stem: bool = True
+    time_encoder: str = "transformer"
+    head_stage: bool = True
+    layer_embedding: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name} must be a positive int, got {value!r}")
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be a bool, got {value!r}")
+        if self.d_time % self.num_encoder_heads:
+            raise ValueError(
+                f"d_time must be divisible by num_encoder_heads, got {self.d_time} and {self.num_encoder_heads}"
+            )
+        if self.stride > self.crop_len:
+            raise ValueError(f"stride must be <= crop_len ({self.crop_len}), got {self.stride}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.input_transform not in INPUT_TRANSFORMS:
+            raise ValueError(f"input_transform must be one of {INPUT_TRANSFORMS}, got {self.input_transform!r}")
+        if self.time_encoder not in TIME_ENCODERS:
+            raise ValueError(f"time_encoder must be one of {TIME_ENCODERS}, got {self.time_encoder!r}")
+
+    @classmethod
+    def paper(cls, **kwargs: Any) -> MapperConfig:
+        """The paper's ~15M mapper (d_time 512, 6 x 8-head encoder); pass the four shape fields."""
+        return cls(**kwargs)
+
+    @classmethod
+    def small(cls, **kwargs: Any) -> MapperConfig:
+        """A ~0.3M mapper for ~100M-class targets (e.g. SmolLM2-135M); pass the four shape fields."""
+        return cls(**{**dict(d_time=128, stem_hidden=64, num_encoder_layers=2, num_encoder_heads=4, d_head=16),
+                      **kwargs})
+
+    @classmethod
+    def tiny(cls, **kwargs: Any) -> MapperConfig:
+        """An ~11k-parameter mapper for unit tests; shape fields default to a 2->4 layer pair."""
+        defaults = dict(num_proxy_layers=2, num_proxy_heads=2, num_target_layers=4, num_target_heads=2,
+                        d_time=32, stem_hidden=16, num_encoder_layers=1, num_encoder_heads=2, d_head=8,
+                        crop_len=64, stride=32, dropout=0.0)
+        return cls(**{**defaults, **kwargs})
+
+    def pairing(self) -> list[int]:
+        """0-based proxy layer read by each target layer: ``ceil(l * L_s / L_l) - 1`` for 1-based ``l``."""
+        return [-(-(l * self.num_proxy_layers) // self.num_target_layers) - 1
+                for l in range(1, self.num_target_layers + 1)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable field dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MapperConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown MapperConfig fields: {unknown}")
+        return cls(**data)
+
+
+def window_starts(n: int, crop_len: int, stride: int) -> list[int]:
+    """Start offsets of the encoder windows over ``n`` tokens; the last window ends exactly at ``n``."""
+    if n <= crop_len:
+        return [0]
+    starts = list(range(0, n - crop_len + 1, stride))
+    if starts[-1] + crop_len < n:
+        starts.append(n - crop_len)
+    return starts
+
+
+def sinusoidal_encoding(positions: Tensor, dim: int) -> Tensor:
+    """Transformer sinusoidal encoding. positions ``(..., N)`` -> ``(..., N, dim)`` (float32)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=positions.device) / max(half, 1))
+    angles = positions.float()[..., None] * freqs  # (..., N, half)
+    enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    return nn.functional.pad(enc, (0, dim - 2 * half))
+
+
+def mask_padding(scores: Tensor, attention_mask: Tensor | None, fill_value: float = float("-inf")) -> Tensor:
+    """Set padded positions of mapper scores to ``fill_value`` so Top-K never selects them.
+
+    Args:
+        scores: ``(B, ..., N)`` logits, e.g. ``(B, L_l, H_l, N)`` or ``(B, H_l, N)``.
+        attention_mask: ``(B, N)``, 1 for real tokens, 0 for padding; ``None`` returns ``scores`` unchanged.
+    """
+    if attention_mask is None:
+        return scores
+    valid = attention_mask.bool().view(attention_mask.shape[0], *([1] * (scores.dim() - 2)), -1)
+    return scores.masked_fill(~valid, fill_value)
+
+
+class ConvStem(nn.Module):
+    """Stage 1. ``(B, H_s, N)`` features -> ``(B, d_time, N)``.
+
+    Padded positions are zeroed before each conv, so in eval mode right/left padding looks like the conv's own
+    zero padding to real tokens. In train mode BatchNorm statistics still include padded positions.
+    """
+
+    def __init__(self, config: MapperConfig) -> None:
+        super().__init__()
+        self.transform = config.input_transform
+        if config.conv_stem:
+            self.conv1 = nn.Conv1d(config.num_proxy_heads, config.stem_hidden, kernel_size=3, padding=1)
+            self.bn1 = nn.BatchNorm1d(config.stem_hidden)
+            self.conv2 = nn.Conv1d(config.stem_hidden, config.d_time, kernel_size=3, padding=1)
+            self.bn2 = nn.BatchNorm1d(config.d_time)
+        else:
+            self.conv1 = nn.Conv1d(config.num_proxy_heads, config.d_time, kernel_size=1)
+            self.bn1 = self.conv2 = self.bn2 = None
+
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
+        """x ``(B, H_s, N)``, valid ``(B, N)`` bool -> ``(B, d_time, N)``."""
+        if self.transform == "log1p":
+            x = torch.log1p(x.clamp_min(0))
+        keep = None if valid is None else valid[:, None, :].to(x.dtype)  # (B, 1, N)
+        if keep is not None:
+            x = x * keep
+        if self.conv2 is None:
+            return nn.functional.gelu(self.conv1(x))
+        h = nn.functional.gelu(self.bn1(self.conv1(x)))  # (B, stem_hidden, N)
+        if keep is not None:
+            h = h * keep  # padding must look like the conv's zero padding to its real neighbours
+        return nn.functional.gelu(self.bn2(self.conv2(h)))  # (B, d_time, N)
+
+
+class TimeEncoder(nn.Module):
+    """Stage 2 on one window. ``(B, W, d_time)`` -> ``(B, W, d_time)``; positions count real tokens only."""
+
+    def __init__(self, config: MapperConfig) -> None:
+        super().__init__()
+        self.kind = config.time_encoder
+        self.encoder = None
+        if self.kind == "transformer":
+            layer = nn.TransformerEncoderLayer(
+                config.d_time, config.num_encoder_heads, dim_feedforward=config.ffn_mult * config.d_time,
+                dropout=config.dropout, activation="gelu", batch_first=True, norm_first=True)
+            self.encoder = nn.TransformerEncoder(layer, config.num_encoder_layers, norm=nn.LayerNorm(config.d_time),
+                                                 enable_nested_tensor=False)
+
+    def forward(self, z: Tensor, valid: Tensor | None = None) -> Tensor:
+        """z ``(B, W, d_time)``, valid ``(B, W)`` bool -> ``(B, W, d_time)``."""
+        if self.kind == "none":
+            return z
+        if self.kind == "meanpool":
+            w = torch.ones_like(z[..., :1]) if valid is None else valid[..., None].to(z.dtype)  # (B, W, 1)
+            return z + (z * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
+        if valid is None:
+            positions = torch.arange(z.shape[1], device=z.device).expand(z.shape[0], -1)  # (B, W)
+            pad = None
+        else:
+            positions = (valid.long().cumsum(1) - 1).clamp_min(0)  # (B, W)
+            pad = ~valid
+            pad = pad & ~pad.all(1, keepdim=True)  # all-padding windows attend freely: finite, ignored later
+        z = z + sinusoidal_encoding(positions, z.shape[-1]).to(z.dtype)
+        return self.encoder(z, src_key_padding_mask=pad)
+
+
+class HeadStage(nn.Module):
+    """Stage 3. ``(B, N, d_time)`` -> ``(B, H_l, N)`` logits via per-token cross-attention over H_s slots."""
+
+    def __init__(self, config: MapperConfig) -> None:
+        super().__init__()
+        self.h_s, self.d_head = config.num_proxy_heads, config.d_head
+        self.k_proj = nn.Linear(config.d_time, config.num_proxy_heads * config.d_head)
+        self.v_proj = nn.Linear(config.d_time, config.num_proxy_heads * config.d_head)
+        self.queries = nn.Parameter(torch.randn(config.num_target_heads, config.d_head) * config.d_head**-0.5)
+        self.out = nn.Linear(config.d_head, 1)
+
+    def forward(self, z: Tensor) -> Tensor:
+        """z ``(B, N, d_time)`` -> logits ``(B, H_l, N)``."""
+        b, n, _ = z.shape
+        k = self.k_proj(z).view(b, n, self.h_s, self.d_head)  # (B, N, H_s, d_head)
+        v = self.v_proj(z).view(b, n, self.h_s, self.d_head)  # (B, N, H_s, d_head)
+        att = torch.einsum("hd,bnsd->bnhs", self.queries, k) * self.d_head**-0.5  # (B, N, H_l, H_s)
+        o = torch.einsum("bnhs,bnsd->bnhd", att.softmax(-1), v)  # (B, N, H_l, d_head)
+        return self.out(o).squeeze(-1).transpose(1, 2)  # (B, H_l, N)
+
+
+class HybridAxialMapper(nn.Module):
+    """The ProxyKV mapper. Returns finite logits everywhere; callers mask padding (:func:`mask_padding`).
+
+    Args:
+        config: shapes and hyper-parameters.
+        window_batch: encoder windows processed together at inference; bounds memory at long N.
+    """
+
+    def __init__(self, config: MapperConfig, *, window_batch: int = 8) -> None:
+        super().__init__()
+        if window_batch < 1:
+            raise ValueError(f"window_batch must be >= 1, got {window_batch}")
+        self.config = config
+        self.window_batch = window_batch
+        self.stem = ConvStem(config)
+        self.time_encoder = TimeEncoder(config)
+        self.head = HeadStage(config) if config.head_stage else nn.Linear(config.d_time, config.num_target_heads)
+        self.layer_embedding = None
+        if config.layer_embedding:
+            self.layer_embedding = nn.Embedding(config.num_target_layers, config.d_time)
+            nn.init.normal_(self.layer_embedding.weight, std=0.02)
+
+    def pairing(self) -> list[int]:
+        """0-based proxy layer read by each target layer (see :meth:`MapperConfig.pairing`)."""
+        return self.config.pairing()
+
+    def num_parameters_by_stage(self) -> dict[str, int]:
+        """Trainable parameter counts ``{"stem", "encoder", "head"}``; a layer embedding counts as head."""
+        count = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())  # noqa: E731
+        return {"stem": count(self.stem), "encoder": count(self.time_encoder),
+                "head": count(self.head) + count(self.layer_embedding)}
+
+    def encode(self, x_layer: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Stages 1-2 for one proxy layer, windowed over time.
+
+        Each token's output is the mean over the windows covering it; for ``N <= crop_len`` this is one pass.
+
+        Args:
+            x_layer: ``(B, H_s, N)`` proxy features.
+            attention_mask: ``(B, N)``, 1 for real tokens, 0 for padding.
+
+        Returns:
+            ``(B, N, d_time)`` contextualised features.
+        """
+        x_layer = x_layer.to(dtype=next(self.parameters()).dtype)
+        valid = None if attention_mask is None else attention_mask.bool()  # (B, N)
+        z = self.stem(x_layer, valid).transpose(1, 2)  # (B, N, d_time)
+        b, n, d = z.shape
+        crop = self.config.crop_len
+        starts = window_starts(n, crop, self.config.stride)
+        if len(starts) == 1:
+            return self.time_encoder(z, valid)
+        out = torch.zeros_like(z)
+        count = z.new_zeros(n)
+        for c in range(0, len(starts), self.window_batch):
+            chunk = starts[c:c + self.window_batch]
+            zw = torch.stack([z[:, s:s + crop] for s in chunk]).flatten(0, 1)  # (W*B, crop, d_time)
+            vw = None if valid is None else torch.stack([valid[:, s:s + crop] for s in chunk]).flatten(0, 1)
+            yw = self.time_encoder(zw, vw).view(len(chunk), b, crop, d)  # (W, B, crop, d_time)
+            for i, s in enumerate(chunk):
+                out[:, s:s + crop] += yw[i]
+                count[s:s + crop] += 1
+        return out / count[None, :, None]
+
+    def _head(self, z: Tensor, target_layer_idx: int) -> Tensor:
+        """z ``(B, N, d_time)`` -> ``(B, H_l, N)``."""
+        if self.layer_embedding is not None:
+            z = z + self.layer_embedding.weight[target_layer_idx]
+        out = self.head(z)
+        return out if self.config.head_stage else out.transpose(1, 2)  # (B, H_l, N)
+
+    def forward_layer(self, x_layer: Tensor, target_layer_idx: int,
+                      attention_mask: Tensor | None = None) -> Tensor:
+        """Scores for one target layer from its paired proxy layer's features.
+
+        Args:
+            x_layer: ``(B, H_s, N)`` features of proxy layer ``pairing()[target_layer_idx]``.
+            target_layer_idx: 0-based target layer.
+            attention_mask: ``(B, N)``, 1 for real tokens, 0 for padding.
+
+        Returns:
+            ``(B, H_l, N)`` logits, higher means keep.
+        """
+        if not 0 <= target_layer_idx < self.config.num_target_layers:
+            raise ValueError(f"target_layer_idx must be in [0, {self.config.num_target_layers}), "
+                             f"got {target_layer_idx}")
+        self._check(x_layer, 3, attention_mask)
+        return self._head(self.encode(x_layer, attention_mask), target_layer_idx)
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Scores for every target layer; stages 1-2 run once per distinct paired proxy layer.
+
+        Args:
+            x: ``(B, L_s, H_s, N)`` proxy features.
+            attention_mask: ``(B, N)``, 1 for real tokens, 0 for padding.
+
+        Returns:
+            ``(B, L_l, H_l, N)`` logits, higher means keep; finite at padded positions too.
+        """
+        self._check(x, 4, attention_mask)
+        pairs = self.pairing()
+        scores: dict[int, Tensor] = {}
+        for p in sorted(set(pairs)):
+            z = self.encode(x[:, p], attention_mask)  # (B, N, d_time)
+            shared = None if self.layer_embedding is not None else self._head(z, 0)
+            for l in (l for l, q in enumerate(pairs) if q == p):
+                scores[l] = self._head(z, l) if shared is None else shared
+        return torch.stack([scores[l] for l in range(len(pairs))], dim=1)  # (B, L_l, H_l, N)
+
+    def _check(self, x: Tensor, ndim: int, attention_mask: Tensor | None) -> None:
+        cfg = self.config
+        expected = (cfg.num_proxy_layers, cfg.num_proxy_heads)[4 - ndim:]
+        if x.dim() != ndim or tuple(x.shape[1:-1]) != expected:
+            raise ValueError(f"expected features of shape (B, {', '.join(map(str, expected))}, N), "
+                             f"got {tuple(x.shape)}")
+        if attention_mask is not None and attention_mask.shape != (x.shape[0], x.shape[-1]):
+            raise ValueError(f"attention_mask must have shape {(x.shape[0], x.shape[-1])}, "
+                             f"got {tuple(attention_mask.shape)}")

@@ -1,0 +1,91 @@
+"""What every scorer receives and returns.
+
+A scorer turns one layer's prefill into importance scores `(B, H_kv, T)`, higher = keep (see
+:mod:`proxykv_hf.selection`). Two kinds exist:
+
+* per-layer scorers (``needs_all_layers = False``) are called right after each full-attention layer's prefill
+  attention, with that layer's queries, keys and values; the cache compacts the layer at once.
+* global scorers (``needs_all_layers = True``, e.g. KVzip) are called once after the last layer's prefill and
+  return the scores of every compacted layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """The first prefill of a cache, as the cache found it.
+
+    Attributes:
+        input_ids: `(B, T)` token ids, or None when the model was called with ``inputs_embeds``.
+        valid: `(B, T)` bool, True for real (non-padding) tokens.
+        model: the model being run (a ``PreTrainedModel``), or None when unknown.
+    """
+
+    input_ids: torch.Tensor | None
+    valid: torch.Tensor
+    model: torch.nn.Module | None = None
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+
+@dataclass
+class LayerInputs:
+    """One full-attention layer at the end of the first prefill.
+
+    Attributes:
+        layer_idx: index of the decoder layer.
+        keys: `(B, H_kv, T, D)` all keys of the prompt (after RoPE).
+        values: `(B, H_kv, T, D)` all values of the prompt.
+        queries: `(B, H, Q, D)` queries of the last prefill forward (Q = T unless the prefill was chunked).
+        attention_mask: the mask that forward's attention used (bool, additive float, or None = causal).
+        scaling: softmax scale of the layer.
+        prompt: the :class:`Prompt`.
+    """
+
+    layer_idx: int
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    scaling: float
+    prompt: Prompt
+    module: torch.nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.prompt.valid
+
+
+class Scorer:
+    """Base class. Subclasses set the class attributes they need and implement :meth:`score` or
+    :meth:`score_all`.
+
+    Attributes:
+        n_sink: first real tokens this method always keeps (merged with the cache's own setting by max).
+        n_recent: last real tokens this method always keeps.
+        needs_all_layers: call :meth:`score_all` once after the whole prefill instead of :meth:`score` per layer.
+        needs_input_ids: the prompt's token ids are required.
+    """
+
+    n_sink: int = 0
+    n_recent: int = 0
+    needs_all_layers: bool = False
+    needs_input_ids: bool = False
+
+    def prepare(self, prompt: Prompt) -> None:
+        """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        """Scores `(B, H_kv, T)` of one layer."""
+        raise NotImplementedError(f"{type(self).__name__} does not score layer by layer")
+
+    def score_all(self, prompt: Prompt, cache) -> dict[int, torch.Tensor]:
+        """Scores `(B, H_kv, T)` for every compacted layer index of ``cache`` (``cache.compactable_layers()``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not score all layers at once")

@@ -1,0 +1,44 @@
+"""SnapKV: keys that the last prompt queries attend to (Li et al., 2024, arXiv:2404.14469)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..scoring import attention_sums
+from .base import LayerInputs, Scorer
+
+
+class SnapKVScorer(Scorer):
+    """Attention of the last ``window`` prompt queries, summed over them, average-pooled along the keys and averaged
+    over the query heads of each KV head. The observation window itself is always kept.
+
+    Args:
+        window: number of last prompt tokens whose queries vote (and which are always kept).
+        kernel_size: width of the average pooling along the key axis (odd).
+        chunk_size: queries per chunk in the attention accumulation.
+    """
+
+    def __init__(self, window: int = 64, kernel_size: int = 5, chunk_size: int = 256):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size}")
+        self.window, self.kernel_size, self.chunk_size = window, kernel_size, chunk_size
+        self.n_recent = window
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        q = inputs.queries[:, :, -self.window:]  # (B, H, w, D)
+        w = q.shape[2]
+        mask = None if inputs.attention_mask is None else inputs.attention_mask[:, :, -w:]
+        T = inputs.keys.shape[2]
+        query_valid = inputs.valid[:, T - w:].to(q.device)
+        sums = attention_sums(q, inputs.keys, mask, inputs.scaling, query_valid=query_valid,
+                              chunk_size=self.chunk_size, group_reduce="none")  # (B, H, T)
+        # Average over the real tokens of each window only, so a padded row pools exactly as it would alone.
+        valid = inputs.valid.to(sums.device, sums.dtype)[:, None, :]  # (B, 1, T)
+        pool = dict(kernel_size=self.kernel_size, stride=1, padding=self.kernel_size // 2)
+        pooled = F.avg_pool1d(sums * valid, **pool) / F.avg_pool1d(valid, **pool).clamp_min(1e-6)  # (B, H, T)
+        B, H, _ = pooled.shape
+        H_kv = inputs.keys.shape[1]
+        return pooled.view(B, H_kv, H // H_kv, T).mean(dim=2)  # (B, H_kv, T)

@@ -1,0 +1,115 @@
+"""Scores -> kept indices: the budget maths and the head-wise Top-K.
+
+One convention for the whole package: **scores are `(B, H_kv, T)` floats, higher means keep**. Every scorer
+returns that shape; this module turns it into the indices each KV head keeps.
+
+Rules (see ``docs/design.md``):
+
+* ``keep_ratio`` (the paper's rho) is the fraction of a row's *real* (non-padding) tokens kept per KV head:
+  ``K = ceil(keep_ratio * T_real)``, raised to the protected tokens that fit (``n_sink`` first and ``n_recent``
+  last real tokens), never above ``T_real``.
+* Padding is never kept. Protected tokens are always kept. Ties are broken by position: the earlier token wins.
+* A padded batch is compacted to the largest row's K. The spare slots of shorter rows come first, are marked
+  invalid in ``slot_valid`` and hidden from attention by the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+
+def check_keep_ratio(keep_ratio: object) -> float:
+    """Validate ``keep_ratio`` and return it as a float.
+
+    Raises:
+        ValueError: if it is not a real number in (0, 1].
+    """
+    if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, Real):
+        raise ValueError(f"keep_ratio must be a number in (0, 1], got {keep_ratio!r}")
+    value = float(keep_ratio)
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    return value
+
+
+def keep_counts(n_real: torch.Tensor, keep_ratio: float, n_protected: int = 0) -> torch.Tensor:
+    """Per-row budget ``K = clamp(ceil(rho * T_real), min(n_protected, T_real), T_real)``.
+
+    Args:
+        n_real: `(B,)` number of real tokens per row.
+        keep_ratio: fraction kept, in (0, 1].
+        n_protected: tokens that must be kept (sinks + recent window).
+
+    Returns:
+        `(B,)` int64 budgets.
+    """
+    n_real = n_real.to(torch.int64)
+    # ceil(rho * n) computed in float64 with a small guard so that e.g. 0.3 * 10 gives 3, not 4.
+    k = torch.ceil(n_real.double() * keep_ratio - 1e-9).to(torch.int64)
+    k = torch.maximum(k, torch.clamp(n_real, max=n_protected))
+    return torch.minimum(k, n_real)
+
+
+def protected_mask(valid: torch.Tensor, n_sink: int, n_recent: int) -> torch.Tensor:
+    """`(B, T)` bool: the first ``n_sink`` and the last ``n_recent`` real tokens of each row."""
+    rank = valid.long().cumsum(-1)  # 1-based rank of each real token, (B, T)
+    n_real = rank[:, -1:]
+    sink = rank <= n_sink
+    recent = rank > n_real - n_recent
+    return valid & (sink | recent)
+
+
+def select_topk(
+    scores: torch.Tensor,
+    keep_ratio: float,
+    valid: torch.Tensor | None = None,
+    n_sink: int = 0,
+    n_recent: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-wise Top-K of ``scores`` under the rules of this module.
+
+    Args:
+        scores: `(B, H_kv, T)` importance scores, higher = keep. NaN is treated as lowest.
+        keep_ratio: fraction of each row's real tokens kept per head, in (0, 1].
+        valid: `(B, T)` bool, True for real tokens (left or right padding both work). None = all real.
+        n_sink: always keep the first ``n_sink`` real tokens.
+        n_recent: always keep the last ``n_recent`` real tokens.
+
+    Returns:
+        indices: `(B, H_kv, K_max)` int64 positions into T. Per row, the spare slots (``K_max - K_row``) come first,
+            then the kept positions in increasing order.
+        slot_valid: `(B, K_max)` bool, False on spare slots.
+
+    Raises:
+        ValueError: if a row has no real token.
+    """
+    keep_ratio = check_keep_ratio(keep_ratio)
+    B, H, T = scores.shape
+    if valid is None:
+        valid = torch.ones(B, T, dtype=torch.bool, device=scores.device)
+    valid = valid.to(device=scores.device, dtype=torch.bool)
+    n_real = valid.sum(-1)  # (B,)
+    if bool((n_real == 0).any()):
+        rows = torch.nonzero(n_real == 0).flatten().tolist()
+        raise ValueError(f"batch rows {rows} contain only padding; nothing can be kept")
+    k_row = keep_counts(n_real, keep_ratio, n_sink + n_recent)  # (B,)
+    k_max = int(k_row.max())
+
+    # Rank key: protected first, then score, padding last; a stable sort keeps earlier positions first on ties.
+    s = torch.nan_to_num(scores.float(), nan=-math.inf)
+    s = s.masked_fill(protected_mask(valid, n_sink, n_recent)[:, None, :], math.inf)
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k_max]  # (B, H, K_max)
+    # Among equal +inf / -inf keys the stable sort already orders by position.
+    rank = torch.arange(k_max, device=scores.device)
+    keep = rank[None, :] < k_row[:, None]  # (B, K_max), True for the K_row best of each row
+    # Sort the kept ones by position; spare slots get key -1 so they come first (their content is never attended).
+    pos = torch.where(keep[:, None, :], order, torch.full_like(order, -1))
+    pos = pos.sort(dim=-1).values
+    n_spare = (k_max - k_row)[:, None]  # (B, 1)
+    slot_valid = rank[None, :] >= n_spare  # (B, K_max)
+    indices = pos.clamp_min(0)  # spare slots point at position 0 (finite data, masked)
+    return indices, slot_valid

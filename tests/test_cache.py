@@ -1,0 +1,299 @@
+"""ProxyKVCache under model.generate: exactness, physical size, padding, generation modes, errors."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from proxykv_hf import ProxyKVCache, RandomScorer, SnapKVScorer, StreamingLLMScorer
+from proxykv_hf.cache import ProxyKVLayer
+from proxykv_hf.testing import FAMILIES, random_prompt, tiny_model
+
+
+def greedy(model, inputs, cache, n=6, **kw):
+    return model.generate(**inputs, past_key_values=cache, max_new_tokens=n, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_keep_ratio_one_is_identical_to_dynamic_cache(family, impl):
+    model = tiny_model(family, attn_implementation=impl)
+    inputs = random_prompt(2, 40, lengths=[40, 29], seed=1)
+    ref = greedy(model, inputs, DynamicCache(config=model.config))
+    out = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=8), keep_ratio=1.0))
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_physical_and_logical_lengths(family):
+    model = tiny_model(family)
+    N, rho, n_new = 50, 0.3, 7
+    inputs = random_prompt(1, N, seed=2)
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=rho)
+    out = greedy(model, inputs, cache, n=n_new)
+    t = out.sequences.shape[1] - N - 1  # tokens fed back after the prefill (the last one never is)
+    K = math.ceil(rho * N)
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, ProxyKVLayer):
+            assert layer.keys.shape[-2] == K + t
+            assert layer.values.shape[-2] == K + t
+            # the dropped entries are really gone: the storage holds only what is kept
+            assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+        assert cache.get_seq_length(i) == N + t
+    assert cache.compactable_layers()  # every family has at least one compacted layer
+
+
+def test_first_token_is_exact_and_decode_matches_kept_subset():
+    """Decode logits equal a run whose cache holds exactly the kept entries at their original positions."""
+    model = tiny_model("llama")
+    N, n_new = 48, 5
+    inputs = random_prompt(1, N, seed=3)
+    cache = ProxyKVCache(RandomScorer(seed=1), keep_ratio=0.25)
+    out = greedy(model, inputs, cache, n=n_new)
+    full = greedy(model, inputs, DynamicCache(config=model.config), n=1)
+    torch.testing.assert_close(out.logits[0], full.logits[0], rtol=0, atol=0)
+
+    # Reference: full prefill K/V, gathered at the kept positions, in a plain DynamicCache.
+    ref_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**inputs, past_key_values=ref_cache)
+    manual = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        idx = layer.kept_positions[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+        k = ref_cache.layers[i].keys.gather(2, idx)
+        v = ref_cache.layers[i].values.gather(2, idx)
+        manual.update(k, v, i)
+    seq = out.sequences
+    for s in range(1, n_new):
+        tok = seq[:, N + s - 1: N + s]
+        with torch.no_grad():
+            logits = model(input_ids=tok, past_key_values=manual,
+                           position_ids=torch.tensor([[N + s - 1]])).logits[:, -1]
+        torch.testing.assert_close(logits, out.logits[s], rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_by_hand_over_kept_subset():
+    """One layer's decode attention output equals softmax(q K_kept^T) V_kept computed by hand."""
+    model = tiny_model("llama", attn_implementation="eager")
+    N = 40
+    inputs = random_prompt(1, N, seed=4)
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
+    with torch.no_grad():
+        model(**inputs, past_key_values=cache)
+    attn = model.model.layers[1].self_attn
+    captured = {}
+
+    def hook(mod, args, kwargs, output):
+        captured["hidden"] = kwargs["hidden_states"]
+        captured["pos"] = kwargs["position_embeddings"]
+        captured["out"] = output[0]
+
+    keys_before = cache.layers[1].keys.clone()
+    values_before = cache.layers[1].values.clone()
+    handle = attn.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[7]]), past_key_values=cache, position_ids=torch.tensor([[N]]))
+    handle.remove()
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    h = captured["hidden"]
+    B, Q, _ = h.shape
+    D = attn.head_dim
+    q = attn.q_proj(h).view(B, Q, -1, D).transpose(1, 2)
+    k = attn.k_proj(h).view(B, Q, -1, D).transpose(1, 2)
+    v = attn.v_proj(h).view(B, Q, -1, D).transpose(1, 2)
+    cos, sin = captured["pos"]
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    K_all = torch.cat([keys_before, k], 2).repeat_interleave(attn.num_key_value_groups, 1)
+    V_all = torch.cat([values_before, v], 2).repeat_interleave(attn.num_key_value_groups, 1)
+    p = torch.softmax(q @ K_all.transpose(-1, -2) * attn.scaling, -1)
+    o = attn.o_proj((p @ V_all).transpose(1, 2).reshape(B, Q, -1))
+    torch.testing.assert_close(o, captured["out"], rtol=1e-5, atol=1e-6)
+    # the query was rotated at the logical position N, not at the physical length
+    assert captured["pos"][0].shape[-2] == 1
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_left_padded_batch_equals_rows_alone(family, impl):
+    model = tiny_model(family, attn_implementation=impl)
+    lengths = [44, 31]
+    batch = random_prompt(2, 44, lengths=lengths, seed=5)
+    out = greedy(model, batch, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3), n=6)
+    for b, n in enumerate(lengths):
+        alone = {k: v[b:b + 1, -n:] for k, v in batch.items()}
+        ref = greedy(model, alone, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3), n=6)
+        assert torch.equal(out.sequences[b, 44:], ref.sequences[0, n:])
+        for s in range(6):
+            torch.testing.assert_close(out.logits[s][b], ref.logits[s][0], rtol=1e-4, atol=1e-4)
+
+
+def test_generation_modes_run_and_keep_size():
+    model = tiny_model("llama")
+    inputs = random_prompt(2, 36, lengths=[36, 30], seed=6)
+    K = math.ceil(0.3 * 36)
+    # sampling with several sequences per prompt
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
+    torch.manual_seed(0)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=5, do_sample=True,
+                         num_return_sequences=2, pad_token_id=0)
+    assert out.shape == (4, 41)
+    assert cache.layers[0].keys.shape[:3] == (4, 2, K + 4)
+    # beam search
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=5, num_beams=3, do_sample=False,
+                         pad_token_id=0)
+    assert out.shape[0] == 2
+    assert cache.layers[0].keys.shape[-2] <= K + 4
+
+
+def test_beam_search_keep_ratio_one_matches_dynamic_cache():
+    model = tiny_model("qwen3")
+    inputs = random_prompt(2, 30, lengths=[30, 22], seed=7)
+    kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
+    ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+    out = model.generate(**inputs, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=1.0), **kw)
+    assert torch.equal(ref, out)
+
+
+def test_second_generate_continues_on_the_compressed_cache():
+    model = tiny_model("llama")
+    inputs = random_prompt(1, 40, seed=8)
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
+    first = model.generate(**inputs, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    K = math.ceil(0.3 * 40)
+    question = torch.randint(4, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([first, question], 1)
+    second = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                            max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(second[:, :ids.shape[1]], ids)
+    logical = ids.shape[1] + 3
+    assert cache.get_seq_length() == logical
+    # the prompt stays compacted; everything after it is kept in full
+    assert cache.layers[0].keys.shape[-2] == K + (logical - 40)
+
+
+def test_unrelated_prompt_on_a_used_cache_is_an_error():
+    model = tiny_model("llama")
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
+    model.generate(**random_prompt(1, 30, seed=9), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    other = random_prompt(1, 40, seed=10)
+    with pytest.raises(ValueError, match="different compressed prompt"):
+        model.generate(**other, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    cache.reset()
+    model.generate(**other, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    assert cache.layers[0].keys.shape[-2] == math.ceil(0.3 * 40) + 1
+
+
+def test_chunked_prefill_equals_unchunked():
+    model = tiny_model("llama")
+    inputs = random_prompt(2, 45, lengths=[45, 33], seed=11)
+    a = greedy(model, inputs, ProxyKVCache(RandomScorer(3), keep_ratio=0.4), n=5)
+    cache = ProxyKVCache(RandomScorer(3), keep_ratio=0.4)
+    b = greedy(model, inputs, cache, n=5, prefill_chunk_size=16)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    assert cache.layers[0].keys.shape[-2] == math.ceil(0.4 * 45) + 4
+
+
+def test_explicit_prepare_without_frame_lookup():
+    model = tiny_model("llama")
+    inputs = random_prompt(1, 30, seed=12)
+    auto = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5))
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5).prepare(model, **inputs)
+    manual = greedy(model, inputs, cache)
+    assert torch.equal(auto.sequences, manual.sequences)
+
+
+def test_streaming_keeps_sinks_and_recent():
+    model = tiny_model("llama")
+    N = 40
+    cache = ProxyKVCache(StreamingLLMScorer(n_sink=4), keep_ratio=0.25)
+    with torch.no_grad():
+        model(**random_prompt(1, N, seed=13), past_key_values=cache)
+    kept = cache.layers[0].kept_positions[0, 0].tolist()
+    assert kept == [0, 1, 2, 3] + list(range(N - 6, N))
+
+
+def test_short_prompt_keeps_everything():
+    model = tiny_model("llama")
+    inputs = random_prompt(1, 6, seed=14)
+    cache = ProxyKVCache(SnapKVScorer(window=8), keep_ratio=0.1)
+    with torch.no_grad():
+        model(**inputs, past_key_values=cache)
+    assert cache.layers[0].keys.shape[-2] == 6
+
+
+def test_crop_only_after_the_compressed_prompt():
+    model = tiny_model("llama")
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
+    model.generate(**random_prompt(1, 30, seed=15), past_key_values=cache, max_new_tokens=4, pad_token_id=0)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 31
+    with pytest.raises(ValueError, match="compressed prompt"):
+        cache.crop(-5)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), "0.3", None, True])
+def test_bad_keep_ratio(bad):
+    with pytest.raises(ValueError, match="keep_ratio"):
+        ProxyKVCache(SnapKVScorer(), keep_ratio=bad)
+
+
+def test_all_padding_row_is_an_error():
+    model = tiny_model("llama")
+    inputs = random_prompt(2, 20, seed=16)
+    inputs["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match="all padding"):
+        with torch.no_grad():
+            model(**inputs, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=0.5))
+
+
+def test_right_padding_is_an_error():
+    model = tiny_model("llama")
+    inputs = random_prompt(2, 20, seed=17)
+    inputs["attention_mask"][1, -3:] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        with torch.no_grad():
+            model(**inputs, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=0.5))
+
+
+def test_unsupported_family_and_attention():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    cache = ProxyKVCache(SnapKVScorer(), keep_ratio=0.5)
+    with pytest.raises(ValueError, match="supported: llama"):
+        cache.prepare(gpt2, torch.ones(1, 5, dtype=torch.long))
+    model = tiny_model("llama")
+    model.config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa' or 'eager"):
+        ProxyKVCache(SnapKVScorer(), keep_ratio=0.5).prepare(model, torch.ones(1, 5, dtype=torch.long))
+
+
+def test_inputs_embeds_without_prepare_is_a_clear_error():
+    model = tiny_model("llama")
+    ids = random_prompt(1, 10, seed=18)["input_ids"]
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(ValueError, match="prepare"):
+        with torch.no_grad():
+            model(inputs_embeds=embeds, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=0.5))
+    cache = ProxyKVCache(SnapKVScorer(window=2), keep_ratio=0.5).prepare(model, inputs_embeds_shape=(1, 10))
+    with torch.no_grad():
+        model(inputs_embeds=embeds, past_key_values=cache)
+    assert cache.layers[0].keys.shape[-2] == 5
+
+
+def test_plain_dynamic_cache_unaffected_after_opt_in():
+    model = tiny_model("llama")
+    inputs = random_prompt(1, 20, seed=19)
+    before = greedy(model, inputs, DynamicCache(config=model.config))
+    greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3))  # opts the model in
+    assert model.config._attn_implementation == "proxykv_sdpa"
+    after = greedy(model, inputs, DynamicCache(config=model.config))
+    assert torch.equal(before.sequences, after.sequences)

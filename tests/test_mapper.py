@@ -1,0 +1,219 @@
+"""HybridAxialMapper: stage shapes, parameter budget, windowed encoder, pairing, ablations, config checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, mask_padding, window_starts
+
+LLAMA_1B_TO_8B = dict(num_proxy_layers=16, num_proxy_heads=32, num_target_layers=32, num_target_heads=8)
+
+
+def tiny(**kwargs) -> HybridAxialMapper:
+    torch.manual_seed(0)
+    return HybridAxialMapper(MapperConfig.tiny(**kwargs)).eval()
+
+
+def test_stage_shapes():
+    m = tiny(num_proxy_layers=3, num_proxy_heads=4, num_target_layers=5, num_target_heads=6)
+    cfg = m.config
+    x = torch.rand(2, 3, 4, 20)  # (B, L_s, H_s, N)
+    z_local = m.stem(x[:, 0])
+    assert z_local.shape == (2, cfg.d_time, 20)
+    z_global = m.time_encoder(z_local.transpose(1, 2))
+    assert z_global.shape == (2, 20, cfg.d_time)
+    assert m.head(z_global).shape == (2, 6, 20)
+    assert m(x).shape == (2, 5, 6, 20)
+    assert m.forward_layer(x[:, 1], 2).shape == (2, 6, 20)
+
+
+def test_paper_preset_parameter_split():
+    cfg = MapperConfig.paper(**LLAMA_1B_TO_8B)
+    assert (cfg.d_time, cfg.num_encoder_layers, cfg.num_encoder_heads, cfg.crop_len, cfg.stride) == (
+        512, 6, 8, 2048, 1024)
+    counts = HybridAxialMapper(cfg).num_parameters_by_stage()
+    for stage, stated in {"stem": 0.5e6, "encoder": 13e6, "head": 1.5e6}.items():
+        assert abs(counts[stage] - stated) <= 0.2 * stated, (stage, counts[stage])
+    assert abs(sum(counts.values()) - 15e6) <= 0.1 * 15e6
+
+
+@pytest.mark.parametrize("l_s,l_l", [(16, 32), (28, 28), (3, 7), (36, 64), (5, 3)])
+def test_pairing_formula(l_s, l_l):
+    cfg = MapperConfig.tiny(num_proxy_layers=l_s, num_target_layers=l_l)
+    assert cfg.pairing() == [math.ceil(l * l_s / l_l) - 1 for l in range(1, l_l + 1)]
+    assert HybridAxialMapper(cfg).pairing() == cfg.pairing()
+
+
+def test_pairing_llama_example():
+    assert MapperConfig.paper(**LLAMA_1B_TO_8B).pairing()[:6] == [0, 0, 1, 1, 2, 2]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 80), st.integers(1, 80))
+def test_pairing_invariants(l_s, l_l):
+    p = MapperConfig.tiny(num_proxy_layers=l_s, num_target_layers=l_l).pairing()
+    assert len(p) == l_l and p[-1] == l_s - 1 and min(p) >= 0
+    assert all(a <= b for a, b in zip(p, p[1:]))
+
+
+def test_window_starts():
+    assert window_starts(37, 16, 8) == [0, 8, 16, 21]
+    assert window_starts(32, 16, 8) == [0, 8, 16]
+    assert window_starts(16, 16, 8) == [0]
+    assert window_starts(5, 16, 8) == [0]
+
+
+@pytest.mark.parametrize("n", [5, 12, 16])
+def test_windowed_encoder_equals_single_pass_when_short(n):
+    m = tiny(crop_len=16, stride=8)
+    long = HybridAxialMapper(MapperConfig.tiny(crop_len=4096, stride=8)).eval()
+    long.load_state_dict(m.state_dict())
+    x = torch.rand(2, 2, 2, n)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, n - 2:] = 0
+    with torch.no_grad():
+        assert torch.equal(m.encode(x[:, 0], mask), long.encode(x[:, 0], mask))
+        assert torch.equal(m(x), long(x))
+
+
+def naive_windowed(m: HybridAxialMapper, x_layer: torch.Tensor) -> torch.Tensor:
+    """Overlap averaging written out: loop windows, add each window's output, divide by cover count."""
+    crop, stride = m.config.crop_len, m.config.stride
+    z = m.stem(x_layer).transpose(1, 2)
+    n = z.shape[1]
+    starts, s = [], 0
+    while True:
+        starts.append(s)
+        if s + crop >= n:
+            break
+        s = min(s + stride, n - crop)
+    total, count = torch.zeros_like(z), torch.zeros(n)
+    for s in starts:
+        total[:, s:s + crop] += m.time_encoder(z[:, s:s + crop])
+        count[s:s + crop] += 1
+    assert count.min() >= 1
+    return total / count[None, :, None]
+
+
+@pytest.mark.parametrize("n,window_batch", [(37, 8), (37, 1), (32, 2), (17, 8), (100, 3)])
+def test_windowed_encoder_matches_naive(n, window_batch):
+    m = tiny(crop_len=16, stride=8)
+    m.window_batch = window_batch
+    x = torch.rand(2, 2, n)
+    with torch.no_grad():
+        torch.testing.assert_close(m.encode(x), naive_windowed(m, x), rtol=1e-5, atol=1e-5)
+        assert m(torch.rand(1, 2, 2, n)).shape == (1, 4, 2, n)
+
+
+def test_windowed_encoder_backward():
+    m = tiny(crop_len=16, stride=8).train()
+    m(torch.rand(2, 2, 2, 37)).square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_forward_reuses_paired_proxy_layer_and_matches_forward_layer():
+    m = tiny(num_proxy_layers=2, num_target_layers=4)
+    x = torch.rand(2, 2, 2, 24)
+    with torch.no_grad():
+        out = m(x)
+        for l, p in enumerate(m.pairing()):
+            torch.testing.assert_close(out[:, l], m.forward_layer(x[:, p], l))
+    assert torch.equal(out[:, 0], out[:, 1]) and not torch.equal(out[:, 1], out[:, 2])
+
+
+def test_layer_embedding_separates_paired_layers():
+    m = tiny(num_proxy_layers=2, num_target_layers=4, layer_embedding=True)
+    with torch.no_grad():
+        out = m(torch.rand(2, 2, 2, 24))
+    assert not torch.allclose(out[:, 0], out[:, 1])
+    assert m.num_parameters_by_stage()["head"] == tiny().num_parameters_by_stage()["head"] + 4 * m.config.d_time
+
+
+def test_right_padding_does_not_change_real_tokens():
+    m = tiny()
+    x = torch.rand(1, 2, 2, 20)
+    padded = torch.cat([x, 5 * torch.rand(1, 2, 2, 6)], dim=-1)
+    mask = torch.cat([torch.ones(1, 20), torch.zeros(1, 6)], dim=-1)
+    with torch.no_grad():
+        ref, out = m(x), m(padded, mask)
+    torch.testing.assert_close(out[..., :20], ref, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all()
+    masked = mask_padding(out, mask)
+    assert torch.isneginf(masked[..., 20:]).all() and torch.equal(masked[..., :20], out[..., :20])
+    fully_padded = m(padded, torch.zeros(1, 26))
+    assert torch.isfinite(fully_padded).all()
+
+
+def test_ablation_switches():
+    cfg = MapperConfig.tiny()
+    h_s, h_l, d = cfg.num_proxy_heads, cfg.num_target_heads, cfg.d_time
+    full = tiny().num_parameters_by_stage()
+    x = torch.rand(2, 2, h_s, 21)
+    no_stem = tiny(conv_stem=False)
+    assert no_stem.num_parameters_by_stage()["stem"] == h_s * d + d
+    for kind in ("meanpool", "none"):
+        m = tiny(time_encoder=kind)
+        assert m.num_parameters_by_stage() == {**full, "encoder": 0}
+    no_head = tiny(head_stage=False)
+    assert no_head.num_parameters_by_stage()["head"] == d * h_l + h_l
+    for m in (no_stem, tiny(time_encoder="meanpool"), no_head, tiny(input_transform="none")):
+        assert m(x).shape == (2, 4, h_l, 21)
+    ffn4 = tiny(ffn_mult=4).num_parameters_by_stage()["encoder"]
+    assert ffn4 - full["encoder"] == cfg.num_encoder_layers * (4 * d * d + 2 * d)  # FFN width 2d -> 4d
+
+
+def test_input_transform_log1p_clamps_negative():
+    m = tiny()
+    with torch.no_grad():
+        torch.testing.assert_close(m.stem(torch.full((1, 2, 8), -3.0)), m.stem(torch.zeros(1, 2, 8)))
+        assert not torch.allclose(m.stem(torch.full((1, 2, 8), 3.0)),
+                                  tiny(input_transform="none").stem(torch.full((1, 2, 8), 3.0)))
+
+
+def test_presets_and_json_roundtrip():
+    for preset in (MapperConfig.paper, MapperConfig.small, MapperConfig.tiny):
+        cfg = preset(**LLAMA_1B_TO_8B)
+        assert MapperConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    small = MapperConfig.small(num_proxy_layers=30, num_proxy_heads=9, num_target_layers=30, num_target_heads=3)
+    assert small.d_time == 128 and small.num_encoder_layers == 2
+    with pytest.raises(ValueError, match="bogus"):
+        MapperConfig.from_dict({**MapperConfig.tiny().to_dict(), "bogus": 1})
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_proxy_heads=0), dict(num_target_layers=-1), dict(d_head=1.5), dict(d_time=True),
+    dict(num_encoder_heads=7), dict(stride=65), dict(dropout=1.0), dict(dropout=-0.1),
+    dict(time_encoder="lstm"), dict(input_transform="log"), dict(conv_stem="yes"), dict(layer_embedding=1),
+])
+def test_bad_config_raises(bad):
+    (value,) = bad.values()
+    with pytest.raises(ValueError, match=re.escape(repr(value))):  # the message quotes the bad value
+        MapperConfig.tiny(**bad)
+
+
+def test_bad_inputs_raise():
+    m = tiny()
+    with pytest.raises(ValueError, match="shape"):
+        m(torch.rand(2, 3, 2, 8))
+    with pytest.raises(ValueError, match="attention_mask"):
+        m(torch.rand(2, 2, 2, 8), torch.ones(2, 9))
+    with pytest.raises(ValueError, match="target_layer_idx"):
+        m.forward_layer(torch.rand(2, 2, 8), 4)
+    with pytest.raises(ValueError, match="window_batch"):
+        HybridAxialMapper(MapperConfig.tiny(), window_batch=0)
+
+
+def test_forward_encodes_each_distinct_proxy_layer_once(monkeypatch):
+    m = tiny(num_proxy_layers=3, num_target_layers=8)
+    calls = []
+    encode = m.encode
+    monkeypatch.setattr(m, "encode", lambda x, mask=None: calls.append(1) or encode(x, mask))
+    m(torch.rand(1, 3, 2, 10))
+    assert len(calls) == len(set(m.pairing())) == 3

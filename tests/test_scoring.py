@@ -1,0 +1,64 @@
+"""The chunked attention-sum equals an explicit softmax."""
+
+import pytest
+import torch
+
+from proxykv_hf.scoring import attention_sums
+
+
+def explicit(query, key, valid, scaling):
+    """Full (B, H, Q, T) softmax with causal + padding mask, padded query rows zeroed."""
+    B, H, Q, D = query.shape
+    H_kv, T = key.shape[1], key.shape[2]
+    k = key.repeat_interleave(H // H_kv, dim=1)
+    logits = query @ k.transpose(-1, -2) * scaling
+    qpos = torch.arange(Q) + (T - Q)
+    allowed = torch.arange(T)[None, :] <= qpos[:, None]  # (Q, T)
+    allowed = allowed[None, None] & valid[:, None, None, :]
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(logits, -1).nan_to_num(0.0)
+    p = p * valid[:, None, T - Q:, None]
+    return p.sum(2)  # (B, H, T)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("Q", [17, 5])
+def test_chunked_equals_explicit_with_padding(chunk, Q):
+    torch.manual_seed(0)
+    B, H, H_kv, T, D = 2, 4, 2, 17, 8
+    query = torch.randn(B, H, Q, D) * 2
+    key = torch.randn(B, H_kv, T, D) * 2
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :6] = False  # left padding
+    qpos = torch.arange(Q) + (T - Q)
+    mask = (torch.arange(T)[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :]  # (B, 1, Q, T)
+    ref = explicit(query, key, valid, 0.3)
+    got = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # additive float mask (eager) gives the same
+    add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    got_f = attention_sums(query, key, add, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk)
+    torch.testing.assert_close(got_f, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_none_is_causal_and_group_reductions():
+    torch.manual_seed(1)
+    query, key = torch.randn(1, 6, 9, 4), torch.randn(1, 2, 9, 4)
+    valid = torch.ones(1, 9, dtype=torch.bool)
+    ref = explicit(query, key, valid, 0.5)
+    got = attention_sums(query, key, None, 0.5, chunk_size=4)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention_sums(query, key, None, 0.5, group_reduce="mean"),
+                               ref.view(1, 2, 3, 9).mean(2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attention_sums(query, key, None, 0.5, group_reduce="max"),
+                               ref.view(1, 2, 3, 9).amax(2), rtol=1e-5, atol=1e-5)
+    # every real query distributes a total mass of one
+    assert torch.allclose(got.sum(-1), torch.full((1, 6), 9.0))
+
+
+def test_bad_arguments():
+    q, k = torch.randn(1, 3, 4, 2), torch.randn(1, 2, 4, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        attention_sums(q, k)
+    with pytest.raises(ValueError, match="group_reduce"):
+        attention_sums(torch.randn(1, 2, 4, 2), k, group_reduce="median")

@@ -1,0 +1,78 @@
+"""select_topk invariants (hypothesis) and budget maths."""
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxykv_hf.selection import keep_counts, select_topk
+
+
+@st.composite
+def problems(draw):
+    B = draw(st.integers(1, 3))
+    H = draw(st.integers(1, 3))
+    T = draw(st.integers(1, 24))
+    lengths = [draw(st.integers(1, T)) for _ in range(B)]
+    # few distinct values, so that ties are common
+    values = draw(st.lists(st.integers(0, 4), min_size=B * H * T, max_size=B * H * T))
+    scores = torch.tensor(values, dtype=torch.float32).view(B, H, T)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        valid[b, T - n:] = True
+    rho = draw(st.floats(0.01, 1.0))
+    n_sink = draw(st.integers(0, 4))
+    n_recent = draw(st.integers(0, 4))
+    return scores, valid, rho, n_sink, n_recent
+
+
+def reference(scores, valid, rho, n_sink, n_recent):
+    """Plain-Python selection: protected first, then score, ties -> earlier position."""
+    B, H, T = scores.shape
+    out = []
+    for b in range(B):
+        real = [t for t in range(T) if valid[b, t]]
+        k = max(math.ceil(rho * len(real) - 1e-9), min(n_sink + n_recent, len(real)))
+        k = min(k, len(real))
+        prot = set(real[:n_sink]) | set(real[len(real) - n_recent:] if n_recent else [])
+        row = []
+        for h in range(H):
+            ranked = sorted(real, key=lambda t: (t not in prot, -scores[b, h, t].item(), t))
+            row.append(sorted(ranked[:k]))
+        out.append(row)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_kept_set_is_the_reference_topk(problem):
+    scores, valid, rho, n_sink, n_recent = problem
+    indices, slot_valid = select_topk(scores, rho, valid, n_sink, n_recent)
+    expected = reference(scores, valid, rho, n_sink, n_recent)
+    B, H, K = indices.shape
+    for b in range(B):
+        real = valid[b].nonzero().flatten().tolist()
+        for h in range(H):
+            kept = indices[b, h][slot_valid[b]].tolist()
+            assert kept == expected[b][h]  # exactly the top-K, sorted by position
+            assert all(valid[b, t] for t in kept)  # never padding
+            assert set(real[:n_sink]) <= set(kept)  # sinks kept
+            if n_recent:
+                assert set(real[-n_recent:]) <= set(kept)  # recent kept
+        # spare slots come first
+        n_spare = int((~slot_valid[b]).sum())
+        assert not slot_valid[b, :n_spare].any() and slot_valid[b, n_spare:].all()
+
+
+def test_keep_counts():
+    n = torch.tensor([10, 7, 3, 100])
+    assert keep_counts(n, 0.3).tolist() == [3, 3, 1, 30]
+    assert keep_counts(n, 0.1, n_protected=5).tolist() == [5, 5, 3, 10]
+    assert keep_counts(n, 1.0).tolist() == [10, 7, 3, 100]
+
+
+def test_scores_with_nan_rank_lowest():
+    scores = torch.tensor([[[float("nan"), 1.0, 0.5, 2.0]]])
+    idx, _ = select_topk(scores, 0.5)
+    assert idx.tolist() == [[[1, 3]]]
