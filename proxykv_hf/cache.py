@@ -191,11 +191,65 @@ class ProxyKVCache(DynamicCache):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         self.scorer = scorer
+        self._settings = dict(n_sink=n_sink, n_recent=n_recent, config=config)
         self.n_sink = max(n_sink, getattr(scorer, "n_sink", 0))
         self.n_recent = max(n_recent, getattr(scorer, "n_recent", 0))
         super().__init__(config=config)
         self._adopt_layers()
         self._clear_state()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        keep_ratio: float = 0.3,
+        *,
+        proxy=None,
+        proxy_device=None,
+        revision: str | None = None,
+        cache_dir=None,
+        token=None,
+        local_files_only: bool | None = None,
+        chunk_size: int = 256,
+        **kwargs,
+    ) -> "ProxyKVCache":
+        """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
+
+        Args:
+            name_or_path: checkpoint directory or Hub id (``huggingface_hub``; ``HF_HUB_OFFLINE`` honoured).
+            keep_ratio: fraction of the prompt kept per KV head.
+            proxy: an already loaded proxy model for checkpoints whose proxy is a separate model (else it is loaded
+                from the id the checkpoint names).
+            proxy_device: device for the proxy and the mapper (e.g. ``"cuda:1"``); default: the target's.
+            revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
+            chunk_size: queries per chunk when accumulating the proxy's attention.
+            **kwargs: ``n_sink``, ``n_recent``, ``config``, as for the constructor.
+
+        Returns:
+            A template cache: use it for one ``generate`` call, and :meth:`fresh` for the next.
+        """
+        from .hub import load_checkpoint
+        from .scorers.proxy import ProxyScorer
+
+        ckpt = load_checkpoint(name_or_path, map_location=proxy_device or "cpu", revision=revision,
+                               cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+        if ckpt.proxy.kind == "model" and proxy is None:
+            from .models import load_model
+
+            proxy = load_model(ckpt.proxy.model_id, device=proxy_device or "cpu")
+        if proxy is not None and ckpt.proxy.kind == "model":
+            got = getattr(proxy.config, "num_attention_heads", None)
+            layers = proxy.config.num_hidden_layers
+            if (layers, got) != (ckpt.proxy.num_layers, ckpt.proxy.num_heads):
+                raise ValueError(f"proxy has {layers} layers and {got} heads, the mapper expects "
+                                 f"{ckpt.proxy.num_layers} layers and {ckpt.proxy.num_heads} heads")
+        scorer = ProxyScorer(ckpt, proxy_model=proxy, proxy_device=proxy_device, chunk_size=chunk_size)
+        return cls(scorer, keep_ratio, **kwargs)
+
+    def fresh(self) -> "ProxyKVCache":
+        """An empty cache with the same settings, sharing the scorer's heavy parts (mapper, proxy model)."""
+        scorer = None if self.scorer is None else self.scorer.fresh()
+        return type(self)(scorer, self.keep_ratio, **self._settings)
 
     # ----------------------------------------------------------------------------------------------- layout
     def _adopt_layers(self) -> None:
@@ -339,7 +393,8 @@ class ProxyKVCache(DynamicCache):
                 self._pending_all = []
             return
         inputs = LayerInputs(layer_idx=layer_idx, keys=key[:, :, :T], values=value[:, :, :T], queries=query,
-                             attention_mask=attention_mask, scaling=scaling, prompt=self.prompt, module=module)
+                             attention_mask=attention_mask, scaling=scaling, prompt=self.prompt,
+                             compact_index=self.compactable_layers().index(layer_idx), module=module)
         self._compact(layer_idx, self.scorer.score(inputs))
 
     def _compact(self, layer_idx: int, scores: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ class LayerInputs:
         attention_mask: the mask that forward's attention used (bool, additive float, or None = causal).
         scaling: softmax scale of the layer.
         prompt: the :class:`Prompt`.
+        compact_index: position of this layer among the compacted (full-attention) layers.
     """
 
     layer_idx: int
@@ -56,6 +57,7 @@ class LayerInputs:
     attention_mask: torch.Tensor | None
     scaling: float
     prompt: Prompt
+    compact_index: int = 0
     module: torch.nn.Module | None = field(default=None, repr=False)
 
     @property
@@ -78,6 +80,10 @@ class Scorer:
     n_recent: int = 0
     needs_all_layers: bool = False
     needs_input_ids: bool = False
+
+    def fresh(self) -> "Scorer":
+        """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""
+        return self
 
     def prepare(self, prompt: Prompt) -> None:
         """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""

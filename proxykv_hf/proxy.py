@@ -1,0 +1,165 @@
+"""Running the proxy: the features X `(B, L_s, H_s, N)` that the mapper turns into target scores.
+
+``X[b, l, h, n] = sum_q softmax(Q K^T / sqrt(D))[q, n]`` at proxy layer ``l`` and query head ``h`` (the paper's
+proxy feature), accumulated in query chunks inside the proxy's own prefill. The proxy keeps no KV cache: each
+layer's K/V is dropped as soon as that layer's attention has run.
+
+Three kinds of proxy (:class:`ProxySpec`):
+
+* ``"model"``: a separate, smaller model of the same family and tokenizer (the paper's setting).
+* ``"layers"``: a subset of the target's own decoder layers (e.g. every third), run on the target's weights:
+  no second model, a cheaper forward than the target's prefill.
+* ``"self"``: the target's own prefill attention sums (no extra forward; scoring sits on the critical path).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from . import attention
+from .scoring import attention_sums
+
+logger = logging.getLogger(__name__)
+
+PROXY_KINDS = ("model", "layers", "self")
+
+
+@dataclass(kw_only=True)
+class ProxySpec:
+    """Which proxy produces the features, as stored in a mapper checkpoint.
+
+    Attributes:
+        kind: ``"model"``, ``"layers"`` or ``"self"``.
+        model_id: Hub id or path of the proxy model (kind ``"model"``).
+        layers: target layer indices the proxy runs (kind ``"layers"``); None = all.
+        num_layers: L_s, the number of proxy layers the mapper reads.
+        num_heads: H_s, query heads per proxy layer.
+    """
+
+    kind: str
+    num_layers: int
+    num_heads: int
+    model_id: str | None = None
+    layers: list[int] | None = field(default=None)
+
+    def __post_init__(self):
+        if self.kind not in PROXY_KINDS:
+            raise ValueError(f"proxy kind must be one of {PROXY_KINDS}, got {self.kind!r}")
+        if self.kind == "layers" and not self.layers:
+            raise ValueError("a 'layers' proxy needs a non-empty list of layer indices")
+        if self.layers is not None and len(self.layers) != self.num_layers:
+            raise ValueError(f"num_layers ({self.num_layers}) must equal len(layers) ({len(self.layers)})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProxySpec":
+        return cls(**data)
+
+
+def every_kth_layer(num_layers: int, k: int) -> list[int]:
+    """Layer indices ``k-1, 2k-1, ...`` (the last of each group of ``k``), always including the last layer."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    layers = list(range(k - 1, num_layers, k))
+    if not layers or layers[-1] != num_layers - 1:
+        layers.append(num_layers - 1)
+    return layers
+
+
+class _Capture:
+    """Pending call that records one layer's attention sums (see :mod:`proxykv_hf.attention`)."""
+
+    __slots__ = ("sink", "layer_idx", "valid", "chunk_size")
+
+    def __init__(self, sink: dict, layer_idx: int, valid: torch.Tensor | None, chunk_size: int):
+        self.sink, self.layer_idx, self.valid, self.chunk_size = sink, layer_idx, valid, chunk_size
+
+    def before(self, module, attention_mask, query, key):
+        return attention_mask
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        valid = None if self.valid is None else self.valid.to(query.device)
+        self.sink[self.layer_idx] = attention_sums(query, key, attention_mask, scaling, query_valid=valid,
+                                                   chunk_size=self.chunk_size)
+
+
+class FeatureCache(DynamicCache):
+    """A cache that stores nothing: it lets each layer attend over its own prompt K/V, records the attention sums,
+    and drops the K/V right away (the proxy's memory premium is one layer's K/V plus one chunk of probabilities)."""
+
+    def __init__(self, valid: torch.Tensor | None, chunk_size: int = 256):
+        super().__init__()
+        self.sums: dict[int, torch.Tensor] = {}
+        self.valid, self.chunk_size = valid, chunk_size
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (``LlamaModel`` etc.) of a CausalLM or of a bare decoder."""
+    base = getattr(model, "model", None)
+    return base if base is not None and hasattr(base, "layers") else model
+
+
+def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
+    """A decoder that runs only ``layers`` of ``model`` on the same weights (no copy of any parameter)."""
+    base = decoder_of(model)
+    n = len(base.layers)
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"layer indices {bad} out of range for a model with {n} layers")
+    sub = copy.copy(base)  # shallow: shares every submodule and parameter
+    sub._modules = dict(base._modules)
+    sub.layers = nn.ModuleList([base.layers[i] for i in layers])
+    cfg = copy.copy(base.config)
+    cfg.num_hidden_layers = len(layers)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [base.config.layer_types[i] for i in layers]
+    sub.config = cfg
+    return sub
+
+
+@torch.no_grad()
+def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   *, layers: list[int] | None = None, chunk_size: int = 256) -> torch.Tensor:
+    """Run ``model`` (or the subset ``layers`` of it) on the prompt and return the attention sums.
+
+    Args:
+        model: a CausalLM or decoder of a supported family.
+        input_ids: `(B, N)` token ids (left padded).
+        attention_mask: `(B, N)` 1 = real token.
+        layers: run only these decoder layers (a layer-subset proxy); None = all layers.
+        chunk_size: queries per chunk.
+
+    Returns:
+        float32 `(B, L_s, H_s, N)`; rows of padding keys are zero.
+    """
+    attention.use_proxykv_attention(model)
+    decoder = decoder_of(model) if layers is None else layer_subset(model, layers)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    valid = attention_mask.to(torch.bool)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    cache = FeatureCache(valid, chunk_size)
+    decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True)
+    order = sorted(cache.sums)  # captured under the layers' own indices
+    if len(order) != len(decoder.layers):
+        raise RuntimeError(f"captured {len(order)} of {len(decoder.layers)} layers; is the attention wrapped?")
+    return torch.stack([cache.sums[i] for i in order], dim=1)  # (B, L_s, H_s, N)
