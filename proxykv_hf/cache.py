@@ -445,6 +445,22 @@ class ProxyKVCache(DynamicCache):
         if self.slot_valid is not None:
             self.slot_valid = self.slot_valid[indices]
 
+    # ----------------------------------------------------------------------------------------------- reuse
+    def snapshot(self) -> tuple:
+        """A cheap handle on the current state (tensors are shared, not copied): appends never modify stored
+        tensors in place, so :meth:`restore` brings the cache back, e.g. to answer several questions from one
+        compressed context."""
+        return [dict(vars(layer)) for layer in self.layers], self.slot_valid
+
+    def restore(self, state: tuple) -> None:
+        """Return to a :meth:`snapshot` taken on this cache."""
+        layers, self.slot_valid = state
+        if len(layers) != len(self.layers):
+            raise ValueError("snapshot was taken on a cache with a different number of layers")
+        for layer, saved in zip(self.layers, layers):
+            layer.__dict__.clear()
+            layer.__dict__.update(saved)
+
     # ----------------------------------------------------------------------------------------------- reporting
     def physical_lengths(self) -> list[int]:
         """Entries stored per layer (compacted layers: K plus the tokens added since)."""

@@ -1,0 +1,179 @@
+"""Pipelines: ``ProxyKVPipeline`` (context + questions, query-agnostic reuse) and ``pipeline("proxykv-generation")``.
+
+``import proxykv_hf`` registers the task, after which::
+
+    pipe = pipeline("proxykv-generation", model=model, tokenizer=tok, proxykv="org/mapper", keep_ratio=0.3)
+    pipe([{"role": "user", "content": long_prompt}], max_new_tokens=32)
+
+answers like ``text-generation`` does, with a fresh ProxyKV cache per call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from transformers import AutoModelForCausalLM, TextGenerationPipeline
+
+from .cache import ProxyKVCache
+from .scorers.base import Scorer
+
+logger = logging.getLogger(__name__)
+
+TASK = "proxykv-generation"
+CacheSource = "ProxyKVCache | Scorer | str | Callable[[], ProxyKVCache] | None"
+
+
+def make_cache_factory(source: Any = None, keep_ratio: float | None = None, **kwargs) -> Callable[[], ProxyKVCache]:
+    """Turn what a user passes into a function returning a fresh cache for each call.
+
+    Args:
+        source: a mapper checkpoint (directory or Hub id), a :class:`ProxyKVCache` template, a
+            :class:`~proxykv_hf.scorers.base.Scorer`, a zero-argument callable returning a cache, or None (full cache).
+        keep_ratio: the budget (ignored for a ready template or callable).
+        **kwargs: passed to :meth:`ProxyKVCache.from_pretrained` for checkpoints, to the constructor otherwise.
+    """
+    if callable(source) and not isinstance(source, (Scorer, ProxyKVCache)):
+        return source
+    if isinstance(source, ProxyKVCache):
+        if keep_ratio is not None and keep_ratio != source.keep_ratio:
+            raise ValueError(f"keep_ratio={keep_ratio} conflicts with the template cache's {source.keep_ratio}")
+        return source.fresh
+    ratio = 1.0 if keep_ratio is None and source is None else (0.3 if keep_ratio is None else keep_ratio)
+    if isinstance(source, str):
+        template = ProxyKVCache.from_pretrained(source, ratio, **kwargs)
+    elif source is None or isinstance(source, Scorer):
+        template = ProxyKVCache(source, ratio, **kwargs)
+    else:
+        raise ValueError(f"cannot build a ProxyKV cache from {type(source).__name__}; pass a checkpoint path or "
+                         "Hub id, a ProxyKVCache, a Scorer or a callable")
+    return template.fresh
+
+
+@torch.no_grad()
+def compress_context(model, cache: ProxyKVCache, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> ProxyKVCache:
+    """Prefill ``input_ids`` (the context alone) into ``cache``; the cache compresses it on the way."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    cache.prepare(model, input_ids, attention_mask)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+          use_cache=True, logits_to_keep=1)
+    return cache
+
+
+@torch.no_grad()
+def answer_from_cache(model, cache: ProxyKVCache, context_ids: torch.Tensor, question_ids: torch.Tensor,
+                      **generate_kwargs) -> torch.Tensor:
+    """Generate an answer to ``question_ids`` continuing a compressed context; the cache is left as it was.
+
+    Args:
+        context_ids: `(1, N)` the ids already in ``cache``.
+        question_ids: `(1, Q)` the ids of the question (and assistant header).
+
+    Returns:
+        `(num_return_sequences, A)` generated ids, without the prompt.
+    """
+    state = cache.snapshot()
+    ids = torch.cat([context_ids, question_ids.to(context_ids.device)], dim=1)
+    try:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             **generate_kwargs)
+    finally:
+        cache.restore(state)
+    return out[:, ids.shape[1]:]
+
+
+class ProxyKVPipeline:
+    """Generation with a fresh ProxyKV cache per call; one compressed context can answer several questions.
+
+    Args:
+        model: a causal LM of a supported family.
+        tokenizer: its tokenizer (left padding is enforced).
+        cache_source: see :func:`make_cache_factory`.
+        keep_ratio: the budget, when ``cache_source`` is a checkpoint or a scorer.
+
+    Example::
+
+        pipe = ProxyKVPipeline(model, tok, SnapKVScorer(), keep_ratio=0.3)
+        answers = pipe.ask(context, ["Who?", "When?"], max_new_tokens=16)
+    """
+
+    def __init__(self, model, tokenizer, cache_source=None, *, keep_ratio: float | None = None, **cache_kwargs):
+        self.model, self.tokenizer = model, tokenizer
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.new_cache = make_cache_factory(cache_source, keep_ratio, **cache_kwargs)
+
+    def _gen_kwargs(self, kwargs: dict) -> dict:
+        kwargs.setdefault("do_sample", False)
+        kwargs.setdefault("max_new_tokens", 64)
+        kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        return kwargs
+
+    def _chat_parts(self, context: str, question: str) -> tuple[str, str]:
+        """The chat-formatted prompt split into a context part and a question part at a newline boundary."""
+        if getattr(self.tokenizer, "chat_template", None):
+            marker = "\u2063PROXYKV_SPLIT\u2063"
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{context}\n\n{marker}{question}"}], tokenize=False,
+                add_generation_prompt=True)
+            head, tail = text.split(marker)
+            return head, tail
+        return f"{context}\n\n", f"{question}\n"
+
+    def __call__(self, prompts, **generate_kwargs) -> list[str]:
+        """Answer plain prompts (a string or a list), batched with left padding; one cache per call."""
+        single = isinstance(prompts, str)
+        batch = self.tokenizer([prompts] if single else list(prompts), return_tensors="pt", padding=True,
+                               add_special_tokens=False).to(self.model.device)
+        out = self.model.generate(**batch, past_key_values=self.new_cache(), **self._gen_kwargs(generate_kwargs))
+        texts = self.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        return texts[0] if single else texts
+
+    def ask(self, context: str, questions: str | list[str], **generate_kwargs) -> str | list[str]:
+        """Compress ``context`` once (query-agnostic) and answer each question from the same compressed cache."""
+        single = isinstance(questions, str)
+        questions = [questions] if single else list(questions)
+        head, _ = self._chat_parts(context, questions[0])
+        ctx = self.tokenizer(head, return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.model.device)
+        cache = compress_context(self.model, self.new_cache(), ctx)
+        kwargs = self._gen_kwargs(generate_kwargs)
+        answers = []
+        for question in questions:
+            _, tail = self._chat_parts(context, question)
+            q = self.tokenizer(tail, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            ids = answer_from_cache(self.model, cache, ctx, q, **kwargs)
+            answers.append(self.tokenizer.decode(ids[0], skip_special_tokens=True))
+        return answers[0] if single else answers
+
+
+class ProxyKVGenerationPipeline(TextGenerationPipeline):
+    """``text-generation`` with a fresh ProxyKV cache for every forward.
+
+    Extra arguments (at construction, through ``pipeline(...)``): ``proxykv`` (checkpoint path or Hub id, a
+    ProxyKVCache template, a Scorer or a cache factory; None = full cache), ``keep_ratio``, ``proxykv_kwargs``.
+    Sampling defaults are those of ``text-generation``; pass ``do_sample=False`` for deterministic answers.
+    """
+
+    def __init__(self, *args, proxykv=None, keep_ratio: float | None = None, proxykv_kwargs: dict | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.new_cache = make_cache_factory(proxykv, keep_ratio, **(proxykv_kwargs or {}))
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        if "past_key_values" in generate_kwargs:
+            raise ValueError("proxykv-generation builds its own cache; do not pass past_key_values")
+        return super()._forward(model_inputs, past_key_values=self.new_cache(), **generate_kwargs)
+
+
+def register_pipeline() -> None:
+    """Register ``"proxykv-generation"`` with transformers' pipeline registry (idempotent)."""
+    from transformers.pipelines import PIPELINE_REGISTRY
+
+    if TASK not in PIPELINE_REGISTRY.get_supported_tasks():
+        PIPELINE_REGISTRY.register_pipeline(TASK, pipeline_class=ProxyKVGenerationPipeline,
+                                            pt_model=AutoModelForCausalLM, type="text")

@@ -1,0 +1,174 @@
+"""ProxyKV end to end on tiny models: checkpoints, from_pretrained (local dir and offline Hub cache), proxies,
+the pipelines."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from transformers import DynamicCache, pipeline
+
+import proxykv_hf  # noqa: F401  (registers the pipeline task)
+from proxykv_hf import ProxyKVCache, ProxyKVPipeline, SnapKVScorer
+from proxykv_hf.hub import Checkpoint, TargetSpec, load_checkpoint, save_checkpoint
+from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+from proxykv_hf.proxy import ProxySpec, every_kth_layer, proxy_features
+from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+
+TARGET_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", num_hidden_layers=TARGET_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    return tiny_model("llama", num_hidden_layers=2, seed=1)
+
+
+def make_checkpoint(tmp_path, kind, name="ckpt"):
+    spec = {
+        "model": ProxySpec(kind="model", num_layers=2, num_heads=4, model_id="tiny-proxy"),
+        "layers": ProxySpec(kind="layers", num_layers=2, num_heads=4, layers=every_kth_layer(TARGET_LAYERS, 2)),
+        "self": ProxySpec(kind="self", num_layers=TARGET_LAYERS, num_heads=4),
+    }[kind]
+    torch.manual_seed(0)
+    cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=4,
+                            num_target_layers=TARGET_LAYERS, num_target_heads=2)
+    target_spec = TargetSpec(model_id="tiny-llama", model_type="llama", num_layers=TARGET_LAYERS, num_kv_heads=2,
+                             num_heads=4)
+    ckpt = Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target_spec,
+                      training={"texts": 0}, metrics={"mass_recovery@0.3": 0.5})
+    return save_checkpoint(ckpt, tmp_path / name), ckpt
+
+
+@pytest.mark.parametrize("kind", ["model", "layers", "self"])
+def test_one_liner_generate(tmp_path, target, proxy, kind):
+    path, ckpt = make_checkpoint(tmp_path, kind)
+    extra = {"proxy": proxy} if kind == "model" else {}
+    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    # identity at keep_ratio 1.0
+    ref = target.generate(**inputs, past_key_values=DynamicCache(config=target.config), **kw)
+    out = target.generate(**inputs, past_key_values=ProxyKVCache.from_pretrained(path, keep_ratio=1.0, **extra), **kw)
+    assert torch.equal(ref, out)
+    # physical size after prefill
+    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, **extra)
+    out = target.generate(**inputs, past_key_values=cache, **kw)
+    assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 4] * TARGET_LAYERS
+    assert cache.get_seq_length() == 44
+    # the kept sets are the Top-K of the mapper's scores on the proxy features
+    if kind != "self":
+        runner = proxy if kind == "model" else target
+        x = proxy_features(runner, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers)
+        scores = ckpt.mapper(x, attention_mask=inputs["attention_mask"])
+        from proxykv_hf.selection import select_topk
+
+        for layer in range(TARGET_LAYERS):
+            idx, _ = select_topk(scores[:, layer], 0.3, inputs["attention_mask"].bool(), n_sink=4)
+            assert torch.equal(idx, cache.layers[layer].kept_positions)
+    # a fresh cache from the template gives the same result
+    assert torch.equal(out, target.generate(**inputs, past_key_values=cache.fresh(), **kw))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    path, ckpt = make_checkpoint(tmp_path, "layers")
+    assert sorted(p.name for p in path.iterdir()) == ["README.md", "model.safetensors", "proxykv_config.json"]
+    loaded = load_checkpoint(path)
+    for (k, a), (_, b) in zip(ckpt.mapper.state_dict().items(), loaded.mapper.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert loaded.proxy == ckpt.proxy and loaded.target == ckpt.target
+    assert "tiny-llama" in (path / "README.md").read_text()
+
+
+def test_offline_hub_cache_layout(tmp_path, target, monkeypatch):
+    """A Hub id resolves from a pre-populated HF cache with HF_HUB_OFFLINE=1 (no network)."""
+    src, _ = make_checkpoint(tmp_path, "self")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny-mapper"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        shutil.copy(f, snap / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cache = ProxyKVCache.from_pretrained("org/tiny-mapper", keep_ratio=0.5, cache_dir=tmp_path / "hub")
+    target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    assert cache.physical_lengths()[0] == 10 + 1
+    with pytest.raises(OSError, match="offline"):
+        ProxyKVCache.from_pretrained("org/not-there", cache_dir=tmp_path / "hub")
+
+
+def test_clear_errors(tmp_path, target, proxy):
+    path, _ = make_checkpoint(tmp_path, "model")
+    # missing files
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="missing proxykv_config.json"):
+        ProxyKVCache.from_pretrained(tmp_path / "empty")
+    # proxy with another vocabulary (= another tokenizer)
+    other = tiny_model("llama", num_hidden_layers=2, vocab_size=300)
+    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, proxy=other)
+    with pytest.raises(ValueError, match="share a tokenizer"):
+        target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    # proxy with another shape than the mapper was trained on
+    with pytest.raises(ValueError, match="mapper expects"):
+        ProxyKVCache.from_pretrained(path, proxy=tiny_model("llama", num_hidden_layers=3))
+    # target with other head counts
+    wrong = tiny_model("llama", num_hidden_layers=TARGET_LAYERS, num_key_value_heads=1)
+    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, proxy=proxy)
+    with pytest.raises(ValueError, match="1 KV heads"):
+        wrong.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+
+
+def test_pipeline_task_matches_text_generation_at_full_budget(tmp_path, target):
+    path, _ = make_checkpoint(tmp_path, "layers")
+    tok = tiny_tokenizer()
+    pk = pipeline("proxykv-generation", model=target, tokenizer=tok, proxykv=str(path), keep_ratio=1.0)
+    tg = pipeline("text-generation", model=target, tokenizer=tok)
+    chat = [{"role": "user", "content": "The secret is 42. Keep it. What is the secret?"}]
+    kw = dict(max_new_tokens=6, do_sample=False)
+    assert pk(chat, **kw) == tg(chat, **kw)
+    texts = ["a short one", "a much longer prompt with more words in it"]
+    assert pk(texts, batch_size=2, return_full_text=False, **kw) == tg(texts, batch_size=2, return_full_text=False,
+                                                                        **kw)
+    # compressed: runs, and each call gets its own cache
+    pk3 = pipeline("proxykv-generation", model=target, tokenizer=tok, proxykv=str(path), keep_ratio=0.3)
+    first = pk3(texts, batch_size=2, **kw)
+    assert first == pk3(texts, batch_size=2, **kw)
+
+
+def test_query_agnostic_reuse_equals_full_prompt_at_full_budget(target):
+    tok = tiny_tokenizer()
+    pipe = ProxyKVPipeline(target, tok, SnapKVScorer(window=4), keep_ratio=1.0)
+    context = "The vault code is 9431. " * 4
+    questions = ["What is the vault code?", "Say it again."]
+    answers = pipe.ask(context, questions, max_new_tokens=6)
+    for q, a in zip(questions, answers):
+        head, tail = pipe._chat_parts(context, q)
+        ids = tok(head + tail, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                              do_sample=False, pad_token_id=0)
+        assert a == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    # compressed context: several questions from one cache, which is restored after each
+    pipe = ProxyKVPipeline(target, tok, SnapKVScorer(window=4), keep_ratio=0.3)
+    assert pipe.ask(context, questions, max_new_tokens=6) == [pipe.ask(context, q, max_new_tokens=6)
+                                                              for q in questions]
+
+
+def test_snapshot_restore(target):
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5)
+    target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
+    state = cache.snapshot()
+    before = [layer.keys.clone() for layer in cache.layers], cache.get_seq_length()
+    ids = torch.cat([random_prompt(1, 20)["input_ids"], torch.full((1, 8), 5)], 1)
+    target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3,
+                    pad_token_id=0)
+    assert cache.get_seq_length() > before[1]
+    cache.restore(state)
+    assert cache.get_seq_length() == before[1]
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before[0], cache.layers))
