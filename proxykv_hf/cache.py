@@ -15,6 +15,7 @@ This is the only module that mutates K/V. Design (``docs/design.md``):
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 
@@ -167,6 +168,9 @@ class ProxyKVCache(DynamicCache):
         n_recent: always keep the last ``n_recent`` real tokens.
         config: the model config; lays out sliding / full layers up front. Optional: without it the layout is
             taken from the model at the first prefill.
+        record_only: score the prompt but keep everything; the scores land in ``cache.scores`` and
+            :meth:`compacted_copy` then builds compacted caches for any keep ratio without another prefill
+            (what the evaluation harness does to sweep ratios).
 
     Example::
 
@@ -185,7 +189,9 @@ class ProxyKVCache(DynamicCache):
         n_sink: int = 0,
         n_recent: int = 0,
         config=None,
+        record_only: bool = False,
     ):
+        self.record_only = record_only
         self.keep_ratio = check_keep_ratio(keep_ratio)
         for name, value in (("n_sink", n_sink), ("n_recent", n_recent)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -249,7 +255,37 @@ class ProxyKVCache(DynamicCache):
     def fresh(self) -> "ProxyKVCache":
         """An empty cache with the same settings, sharing the scorer's heavy parts (mapper, proxy model)."""
         scorer = None if self.scorer is None else self.scorer.fresh()
-        return type(self)(scorer, self.keep_ratio, **self._settings)
+        return type(self)(scorer, self.keep_ratio, record_only=self.record_only, **self._settings)
+
+    def compacted_copy(self, keep_ratio: float) -> "ProxyKVCache":
+        """From a ``record_only`` cache after its prefill: a new cache holding what a cache with this
+        ``keep_ratio`` would hold (same scores, same selection), sharing no mutable state with this one."""
+        if not self.record_only or self.prompt is None or not self.layers[self.compactable_layers()[0]].compacted:
+            raise ValueError("compacted_copy() needs a record_only cache whose prompt has been prefilled")
+        new = type(self)(None, keep_ratio, n_sink=self.n_sink, n_recent=self.n_recent)
+        new.layer_class_to_replicate = None
+        new.layers = []
+        valid = self.prompt.valid
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, ProxyKVLayer):
+                new.layers.append(copy.copy(layer))
+                continue
+            twin = ProxyKVLayer()
+            twin.__dict__.update({k: v for k, v in vars(layer).items() if k not in ("kept_positions",)})
+            twin.compacted = False
+            if i in self.scores:
+                indices, slot_valid = select_topk(self.scores[i], keep_ratio, valid.to(self.scores[i].device),
+                                                  self.n_sink, self.n_recent)
+                twin.compact(indices)
+                if new.slot_valid is None and not bool(slot_valid.all()):
+                    new.slot_valid = slot_valid
+            else:  # the prompt was too short to drop anything
+                twin.compact(None)
+            new.layers.append(twin)
+        new.prompt = self.prompt
+        n_real = valid.sum(-1)
+        new._k_max = int(keep_counts(n_real, keep_ratio, self.n_sink + self.n_recent).max())
+        return new
 
     # ----------------------------------------------------------------------------------------------- layout
     def _adopt_layers(self) -> None:
@@ -271,6 +307,7 @@ class ProxyKVCache(DynamicCache):
     def _clear_state(self) -> None:
         self.prompt: Prompt | None = None
         self.slot_valid: torch.Tensor | None = None  # (B, K_max), False on spare slots of shorter rows
+        self.scores: dict[int, torch.Tensor] = {}  # record_only: layer index -> (B, H_kv, T)
         self._k_max: int | None = None
         self._pending_all: list[int] = []
 
@@ -381,7 +418,7 @@ class ProxyKVCache(DynamicCache):
     def _on_prefill_attention(self, layer_idx, module, query, key, value, attention_mask, scaling) -> None:
         layer = self.layers[layer_idx]
         T = self.prefill_length
-        if self.scorer is None or self._k_max >= T:
+        if self.scorer is None or (self._k_max >= T and not self.record_only):
             layer.compact(None)  # nothing to drop (keep_ratio 1.0, or every row short enough)
             return
         if self.scorer.needs_all_layers:
@@ -403,6 +440,10 @@ class ProxyKVCache(DynamicCache):
         if scores.shape != (B, H_kv, self.prefill_length):
             raise ValueError(f"{type(self.scorer).__name__} returned scores of shape {tuple(scores.shape)} for "
                              f"layer {layer_idx}, expected {(B, H_kv, self.prefill_length)}")
+        if self.record_only:
+            self.scores[layer_idx] = scores.detach()
+            layer.compact(None)
+            return
         indices, slot_valid = select_topk(scores, self.keep_ratio, self.prompt.valid.to(scores.device),
                                           self.n_sink, self.n_recent)
         layer.compact(indices)

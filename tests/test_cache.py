@@ -297,3 +297,24 @@ def test_plain_dynamic_cache_unaffected_after_opt_in():
     assert model.config._attn_implementation == "proxykv_sdpa"
     after = greedy(model, inputs, DynamicCache(config=model.config))
     assert torch.equal(before.sequences, after.sequences)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_compacted_copy_equals_a_live_cache(family):
+    """Recording scores once and compacting copies gives what a cache with that keep_ratio gives."""
+    model = tiny_model(family)
+    inputs = random_prompt(2, 40, lengths=[40, 29], seed=20)
+    rec = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=1.0, record_only=True)
+    with torch.no_grad():
+        model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), past_key_values=rec)
+    assert rec.physical_lengths()[rec.compactable_layers()[0]] == 40  # nothing dropped
+    for rho in (0.2, 0.5):
+        live = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=rho), n=4)
+        copy = rec.compacted_copy(rho)
+        for i in rec.compactable_layers():
+            assert torch.equal(copy.layers[i].kept_positions, live.past_key_values.layers[i].kept_positions)
+        ids = live.sequences[:, :41]
+        out = model.generate(input_ids=ids, attention_mask=torch.cat([inputs["attention_mask"],
+                                                                      torch.ones(2, 1, dtype=torch.long)], 1),
+                             past_key_values=copy, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, live.sequences)

@@ -1,0 +1,121 @@
+"""Tables and plots from a harness run's ``results.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def load_results(out_dir: str | Path) -> list[dict]:
+    path = Path(out_dir) / "results.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def accuracy_table(records: list[dict]) -> dict:
+    """``{(method, keep_ratio): {task: mean score, "all": mean over tasks}}`` (the full cache at 1.0)."""
+    by = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        by[(r["method"], r["keep_ratio"])][r["task"]].append(r["score"])
+    table = {}
+    for key, tasks in by.items():
+        row = {t: _mean(v) for t, v in tasks.items()}
+        row["all"] = _mean(row.values())
+        table[key] = row
+    return table
+
+
+def markdown(records: list[dict]) -> str:
+    """Accuracy per method and keep ratio (mean over tasks, and per task), fidelity, ProxyKV / KVzip."""
+    table = accuracy_table(records)
+    methods = sorted({m for m, _ in table}, key=lambda m: (m != "full", m))
+    ratios = sorted({r for m, r in table if m != "full"})
+    tasks = sorted({r["task"] for r in records})
+    lengths = sorted({r["context_length"] for r in records})
+    n = len({(r["task"], r["context_length"], r["sample"]) for r in records})
+    lines = [f"Samples: {n} ({len(tasks)} tasks x context lengths {lengths}). Scores are RULER string-match "
+             "accuracy in %, averaged over tasks.", "",
+             "| method | " + " | ".join(f"rho={r}" for r in ratios) + " |",
+             "|---|" + "---|" * len(ratios)]
+    for m in methods:
+        if m == "full":
+            full = table[("full", 1.0)]["all"]
+            lines.append(f"| full cache | " + " | ".join(f"{100 * full:.1f}" for _ in ratios) + " |")
+            continue
+        lines.append(f"| {m} | " + " | ".join(f"{100 * table.get((m, r), {}).get('all', float('nan')):.1f}"
+                                               for r in ratios) + " |")
+    if "proxykv" in methods and "kvzip" in methods:
+        rel = [table[("proxykv", r)]["all"] / table[("kvzip", r)]["all"] if table[("kvzip", r)]["all"] else
+               float("nan") for r in ratios]
+        lines.append("| ProxyKV / KVzip | " + " | ".join(f"{100 * x:.1f}%" for x in rel) + " |")
+    lines += ["", "Per task (accuracy %, mean over the keep ratios above; full cache at 1.0):", "",
+              "| method | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for m in methods:
+        rows = [table[(m, 1.0)]] if m == "full" else [table[(m, r)] for r in ratios if (m, r) in table]
+        lines.append(f"| {m} | " + " | ".join(f"{100 * _mean(row.get(t, float('nan')) for row in rows):.1f}"
+                                               for t in tasks) + " |")
+    fid = [r for r in records if "topk_recall" in r and r["method"] not in ("full", "kvzip")]
+    if fid:
+        lines += ["", "Oracle fidelity against KVzip (top-K recall / share of KVzip score mass kept):", "",
+                  "| method | " + " | ".join(f"rho={r}" for r in ratios) + " |", "|---|" + "---|" * len(ratios)]
+        for m in sorted({r["method"] for r in fid}):
+            cells = []
+            for ratio in ratios:
+                rs = [r for r in fid if r["method"] == m and r["keep_ratio"] == ratio]
+                cells.append(f"{_mean(r['topk_recall'] for r in rs):.3f} / {_mean(r['mass_recovery'] for r in rs):.3f}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: str | Path) -> Path | None:
+    """Accuracy vs keep ratio, one line per method; one panel for the mean and one per task."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed; no plot written (pip install matplotlib)")
+        return None
+    table = accuracy_table(records)
+    tasks = ["all"] + sorted({r["task"] for r in records})
+    methods = sorted({m for m, _ in table}, key=lambda m: (m != "full", m))
+    cols = min(4, len(tasks))
+    rows = (len(tasks) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for m in methods:
+            if m == "full":
+                ax.axhline(100 * table[("full", 1.0)].get(task, float("nan")), color="k", ls="--", label="full")
+                continue
+            pts = sorted((r, 100 * row.get(task, float("nan"))) for (mm, r), row in table.items() if mm == m)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+        ax.set_title("mean over tasks" if task == "all" else task)
+        ax.set_xlabel("keep ratio")
+        ax.set_ylabel("accuracy %")
+        ax.set_ylim(-5, 105)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_report(out_dir: str | Path) -> str:
+    """Write ``results.md`` and ``accuracy.png`` next to ``results.jsonl``; return the markdown."""
+    out = Path(out_dir)
+    records = load_results(out)
+    text = markdown(records)
+    (out / "results.md").write_text(text)
+    plot(records, out / "accuracy.png")
+    return text
