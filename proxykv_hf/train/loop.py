@@ -1,0 +1,550 @@
+"""Training the mapper on a dataset built by :func:`proxykv_hf.train.data.build_dataset`.
+
+How to run me (library; the CLI wraps it)::
+
+    from proxykv_hf.train.loop import TrainConfig, mapper_config_for, train_mapper
+    ckpt = train_mapper("data/smol", "runs/smol", mapper_config_for("data/smol", "small"), TrainConfig(epochs=30))
+    # multi-GPU: the same call under `accelerate launch script.py`
+
+The paper's protocol ("Training procedure" and appendix): AdamW (lr 2e-4, weight decay 1e-4), 1,000 linear warmup
+steps, then ``ReduceLROnPlateau`` (factor 0.5, patience 3) on the validation loss once per epoch, batch size 8,
+grad-clip 1.0, 5% of the crops held out, 30 epochs. ``accelerate`` places the model and the batches, runs bf16
+autocast on CUDA (none on CPU) and shards the batches across processes.
+
+``out_dir`` receives the best mapper (lowest validation loss) in the Hub format of :mod:`proxykv_hf.hub`,
+``last/`` (the training state, rewritten after every epoch and when ``max_steps`` stops a run; a later call
+resumes from it), ``log.jsonl`` (``"step"`` records every ``log_every`` steps, ``"epoch"`` records with the
+validation metrics) and ``training.png`` (loss and validation mass recovery against the step; redrawn at the
+end of a run and every few minutes during one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..hub import Checkpoint, load_checkpoint, save_checkpoint
+from ..mapper import HybridAxialMapper, MapperConfig
+from .data import Manifest, MapperDataset, split_dataset
+from .losses import TERMS, LossConfig, hybrid_loss
+from .metrics import mass_recovery, topk_recall
+
+logger = logging.getLogger(__name__)
+
+LAST_DIR = "last"
+LOG_NAME = "log.jsonl"
+PLOT_NAME = "training.png"
+MIXED_PRECISION = ("bf16", "fp16", "no")
+PLOT_INTERVAL_S = 300.0
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation settings of :func:`train_mapper`; defaults are the paper's.
+
+    Attributes:
+        lr, weight_decay: AdamW.
+        warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; afterwards ``ReduceLROnPlateau``
+            (``plateau_factor``, ``plateau_patience`` epochs) on the validation loss owns the learning rate.
+        batch_size: crops per optimizer step and process.
+        grad_clip: max global gradient norm (None: no clipping).
+        val_fraction: share of the crops held out (by whole texts when ``split_by_text``; see ``split_dataset``).
+        epochs: passes over the training crops.
+        max_steps: stop after this many optimizer steps in total (smoke runs); None = ``epochs`` decide.
+        seed: model init, data order (a seeded permutation per epoch) and pair sampling of the loss.
+        mixed_precision: autocast dtype on CUDA (``"bf16"``, ``"fp16"`` or ``"no"``); CPU always runs float32.
+        cpu: train on the CPU even when CUDA is there.
+        num_workers: DataLoader workers.
+        eval_ratios: keep ratios of the validation mass recovery and Top-K recall.
+        eval_batch_size: validation batch size (default ``batch_size``).
+        loss: the hybrid loss coefficients.
+        log_every: steps between ``"step"`` records of ``log.jsonl`` (each the mean over those steps).
+        progress: tqdm bars (main process only).
+    """
+
+    lr: float = 2e-4
+    weight_decay: float = 1e-4
+    warmup_steps: int = 1000
+    plateau_factor: float = 0.5
+    plateau_patience: int = 3
+    batch_size: int = 8
+    grad_clip: float | None = 1.0
+    val_fraction: float = 0.05
+    split_by_text: bool = True
+    epochs: int = 30
+    max_steps: int | None = None
+    seed: int = 0
+    mixed_precision: str = "bf16"
+    cpu: bool = False
+    num_workers: int = 0
+    eval_ratios: tuple[float, ...] = (0.1, 0.3, 0.5)
+    eval_batch_size: int | None = None
+    loss: LossConfig = field(default_factory=LossConfig)
+    log_every: int = 50
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.eval_ratios = tuple(self.eval_ratios)
+        for name in ("lr", "weight_decay"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        for name, low in (("warmup_steps", 0), ("plateau_patience", 0), ("batch_size", 1), ("epochs", 1),
+                          ("seed", 0), ("num_workers", 0), ("log_every", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+        for name in ("max_steps", "eval_batch_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {v!r}")
+        if not 0 < self.plateau_factor < 1:
+            raise ValueError(f"plateau_factor must be in (0, 1), got {self.plateau_factor!r}")
+        if self.grad_clip is not None and not 0 < self.grad_clip < math.inf:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
+        if not self.eval_ratios or any(not 0 < r <= 1 for r in self.eval_ratios):
+            raise ValueError(f"eval_ratios must be values in (0, 1], got {self.eval_ratios!r}")
+        if not isinstance(self.loss, LossConfig):
+            raise ValueError(f"loss must be a LossConfig, got {type(self.loss).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable field dict."""
+        return {**dataclasses.asdict(self), "loss": self.loss.to_dict(), "eval_ratios": list(self.eval_ratios)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {unknown}")
+        data = dict(data)
+        if isinstance(data.get("loss"), dict):
+            data["loss"] = LossConfig.from_dict(data["loss"])
+        return cls(**data)
+
+
+# ------------------------------------------------------------------------------------------------ pieces
+def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", **overrides) -> MapperConfig:
+    """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers and
+    heads, target layers and KV heads, and the dataset's crop length and stride as the inference windows."""
+    manifest = data if isinstance(data, Manifest) else Manifest.load(data)
+    if preset not in ("paper", "small", "tiny"):
+        raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
+    shape = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
+                 num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
+                 crop_len=manifest.data_config["crop_len"], stride=manifest.data_config["stride"])
+    return getattr(MapperConfig, preset)(**{**shape, **overrides})
+
+
+def check_mapper_fits(config: MapperConfig, manifest: Manifest) -> None:
+    """Raise ``ValueError`` unless the mapper's four shape fields match the dataset's proxy and target."""
+    want = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
+                num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"])
+    got = {k: getattr(config, k) for k in want}
+    if got != want:
+        raise ValueError(f"mapper config shape {got} does not match the dataset {want}; "
+                         "build it with mapper_config_for(data_dir, preset)")
+    if manifest.data_config["crop_len"] > config.crop_len:
+        logger.warning("training crops (%d tokens) are longer than the mapper's encoder window (%d): the encoder "
+                       "trains on windows it will see the same way at inference", manifest.data_config["crop_len"],
+                       config.crop_len)
+
+
+class EpochSampler(Sampler[int]):
+    """A seeded random permutation of ``range(n)`` per epoch (reproducible across resumes).
+
+    The epoch is set by the loop through :meth:`use_epoch`; there is deliberately no ``set_epoch``, which
+    ``accelerate``'s loaders call with their own iteration counter (reset by ``skip_first_batches``).
+    """
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def use_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=gen).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class WarmupPlateau:
+    """Linear warmup per step, then ``ReduceLROnPlateau`` per epoch (only once warmup is over)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, factor: float, patience: int):
+        self.optimizer, self.warmup_steps = optimizer, warmup_steps
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=factor,
+                                                                  patience=patience)
+        self.steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        if self.steps < self.warmup_steps:  # the (steps+1)-th update uses lr * (steps+1) / warmup
+            for g, base in zip(self.optimizer.param_groups, self.base_lrs):
+                g["lr"] = base * (self.steps + 1) / self.warmup_steps
+
+    def step(self) -> None:
+        """After each optimizer step."""
+        self.steps += 1
+        self._apply()
+
+    def epoch_end(self, metric: float) -> None:
+        """After each full epoch, with the validation loss."""
+        if self.steps >= self.warmup_steps and math.isfinite(metric):
+            self.plateau.step(metric)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "base_lrs": self.base_lrs, "plateau": self.plateau.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.base_lrs = state["steps"], list(state["base_lrs"])
+        self.plateau.load_state_dict(state["plateau"])
+
+
+@torch.no_grad()
+def evaluate_mapper(mapper: torch.nn.Module, dataset: Dataset, ratios: Sequence[float] = (0.1, 0.3, 0.5),
+                    loss_config: LossConfig | None = None, *, batch_size: int = 8, device=None, seed: int = 0,
+                    num_workers: int = 0) -> dict[str, float]:
+    """Validation metrics of ``mapper`` on ``dataset`` (items ``{"x", "y", "mask"}``), in eval mode, float32.
+
+    Returns:
+        ``{"loss", "loss_<term>" (unweighted hybrid-loss terms), "mass_recovery@<r>", "topk_recall@<r>", "crops"}``;
+        losses are means over crops (batch means weighted by batch size), the retention metrics are computed per
+        (crop, layer, KV head) row over its real tokens and averaged over rows. Empty ``dataset``: ``{}``.
+    """
+    if len(dataset) == 0:
+        return {}
+    cfg = loss_config or LossConfig()
+    device = torch.device(device) if device is not None else next(mapper.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)  # pair sampling: same pairs every evaluation
+    was_training = mapper.training
+    mapper.eval()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+
+    def add(name: str, total: float, n: float) -> None:
+        sums[name] = sums.get(name, 0.0) + total
+        counts[name] = counts.get(name, 0.0) + n
+
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+    for batch in loader:
+        x, y, mask = (batch[k].to(device) for k in ("x", "y", "mask"))
+        logits = mapper(x, attention_mask=mask.long()).float()  # (B, L_l, H_l, C)
+        total, terms = hybrid_loss(logits, y, mask, cfg, generator=gen)
+        b = x.shape[0]
+        add("loss", float(total) * b, b)
+        for name in TERMS:
+            add(f"loss_{name}", float(terms[name]) * b, b)
+        for r in ratios:
+            for name, fn in (("mass_recovery", mass_recovery), ("topk_recall", topk_recall)):
+                v = fn(logits, y, r, mask, reduction="none")  # (B, L_l, H_l)
+                ok = torch.isfinite(v)
+                add(f"{name}@{r:g}", float(v[ok].sum()), float(ok.sum()))
+    mapper.train(was_training)
+    out = {k: (sums[k] / counts[k] if counts[k] else float("nan")) for k in sums}
+    out["crops"] = len(dataset)
+    return out
+
+
+def plot_training(log_path: str | os.PathLike, out_path: str | os.PathLike) -> Path | None:
+    """Total training loss (red) and validation mass recovery (blues) against the step, from ``log.jsonl``
+    (the paper's training-dynamics figure). Returns None when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (pip install matplotlib)", out_path)
+        return None
+    records = read_log(log_path)
+    steps = [r for r in records if r["kind"] == "step"]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], color="tab:red", lw=1, label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("total loss", color="tab:red")
+    ax2 = ax.twinx()
+    keys = sorted({k for r in epochs for k in r if k.startswith("val_mass_recovery@")})
+    blues = ["#9ecae1", "#4292c6", "#08519c", "#08306b"]
+    for i, k in enumerate(keys):
+        pts = [(r["step"], r[k]) for r in epochs if r.get(k) is not None and math.isfinite(r[k])]
+        ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, color=blues[i % len(blues)],
+                 label=k.removeprefix("val_").replace("mass_recovery", "mass recovery "))
+    ax2.set_ylabel("validation mass recovery", color="tab:blue")
+    ax2.set_ylim(0, 1)
+    if keys:
+        ax2.legend(loc="lower right", fontsize=8)
+    fig.savefig(out_path, dpi=120)
+    return Path(out_path)
+
+
+def read_log(path: str | os.PathLike) -> list[dict]:
+    """The records of a ``log.jsonl``."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ state
+@dataclass
+class _State:
+    epoch: int = 0  # current epoch (0-based)
+    epoch_step: int = 0  # batches done in the current epoch
+    step: int = 0  # optimizer steps in total
+    best: float = math.inf
+    best_epoch: int = -1
+    best_step: int = -1
+    wall_s: float = 0.0
+
+
+_ORDER_FIELDS = ("batch_size", "seed", "val_fraction", "split_by_text")  # what the data order depends on
+
+
+def _save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: _State, gen: torch.Generator,
+               config: MapperConfig, train_config: TrainConfig) -> None:
+    """Write ``out/last`` as a whole: a temporary directory, then two renames."""
+    tmp, last, old = out / (LAST_DIR + ".tmp"), out / LAST_DIR, out / (LAST_DIR + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in mapper.state_dict().items()},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "loss_pairs": gen.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "state": dataclasses.asdict(state), "rng": rng, "mapper_config": config.to_dict(),
+                "order": {k: getattr(train_config, k) for k in _ORDER_FIELDS}},
+               tmp / "state.pt")
+    if last.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(last, old)
+    os.replace(tmp, last)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _find_last(out: Path) -> Path | None:
+    for name in (LAST_DIR, LAST_DIR + ".old"):  # .old: interrupted between the two renames
+        if (out / name / "state.pt").is_file() and (out / name / "model.safetensors").is_file():
+            return out / name
+    return None
+
+
+def _load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: torch.Generator,
+               config: MapperConfig, train_config: TrainConfig) -> _State:
+    saved = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    changed = {k: (v, getattr(train_config, k)) for k, v in saved.get("order", {}).items()
+               if getattr(train_config, k) != v}
+    if changed:
+        logger.warning("resuming %s with other %s (saved, new): the data order differs from the saved run's",
+                       path, changed)
+    if saved["mapper_config"] != config.to_dict():
+        diff = {k: (saved["mapper_config"].get(k), v) for k, v in config.to_dict().items()
+                if saved["mapper_config"].get(k) != v}
+        raise ValueError(f"{path} holds a run with another mapper config (field: (saved, new)) {diff}; "
+                         "use another out_dir or resume=False")
+    mapper.load_state_dict(load_file(str(path / "model.safetensors"), device=str(next(mapper.parameters()).device)))
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    rng = saved["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(_as_tuple(rng["python"]))
+    gen.set_state(rng["loss_pairs"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return _State(**saved["state"])
+
+
+def _as_tuple(x):
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper_config: MapperConfig,
+                 train_config: TrainConfig | None = None, *, resume: bool = True) -> Checkpoint:
+    """Train a :class:`HybridAxialMapper` on ``data_dir`` and save the best one to ``out_dir``.
+
+    Args:
+        data_dir: a dataset written by :func:`~proxykv_hf.train.data.build_dataset`.
+        out_dir: run directory (see the module docstring for its contents).
+        mapper_config: the mapper's shape and size; its shape fields must match the dataset
+            (:func:`mapper_config_for` builds one).
+        train_config: :class:`TrainConfig`; default ``TrainConfig()`` (the paper's settings).
+        resume: continue from ``out_dir/last`` if present (same data order, optimizer, scheduler and RNG: the
+            run ends where an uninterrupted one would); False starts over.
+
+    Returns:
+        The best checkpoint, as loaded back from ``out_dir`` (target and proxy specs from the data manifest,
+        ``training``: data summary, steps, epochs, wall time, device; ``metrics``: validation metrics).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import broadcast_object_list
+    from tqdm.auto import tqdm
+
+    cfg = train_config or TrainConfig()
+    out = Path(out_dir)
+    dataset = MapperDataset(data_dir)
+    manifest = dataset.manifest
+    check_mapper_fits(mapper_config, manifest)
+    if len(dataset) == 0:
+        raise ValueError(f"{data_dir} holds no crops; build the dataset first")
+    train_set, val_set = split_dataset(dataset, cfg.val_fraction, cfg.seed, by_text=cfg.split_by_text)
+    use_cuda = torch.cuda.is_available() and not cfg.cpu
+    accelerator = Accelerator(cpu=not use_cuda, mixed_precision=cfg.mixed_precision if use_cuda else "no")
+    main = accelerator.is_main_process
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for name in (LAST_DIR, LAST_DIR + ".old", LAST_DIR + ".tmp"):
+                shutil.rmtree(out / name, ignore_errors=True)
+            (out / LOG_NAME).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    mapper = HybridAxialMapper(mapper_config)
+    optimizer = torch.optim.AdamW(mapper.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sampler = EpochSampler(len(train_set), cfg.seed)
+    loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+                        pin_memory=use_cuda)
+    model, optimizer, loader = accelerator.prepare(mapper, optimizer, loader)
+    scheduler = WarmupPlateau(optimizer, cfg.warmup_steps, cfg.plateau_factor, cfg.plateau_patience)
+    gen = torch.Generator(device=accelerator.device).manual_seed(cfg.seed + accelerator.process_index)
+    unwrapped = accelerator.unwrap_model(model)
+
+    state = _State()
+    last = _find_last(out) if resume else None
+    if last is not None:
+        state = _load_last(last, unwrapped, optimizer, scheduler, gen, mapper_config, cfg)
+        logger.info("resuming %s at step %d (epoch %d, batch %d)", out, state.step, state.epoch, state.epoch_step)
+        if main:  # drop log records of steps the saved state does not include
+            kept = [r for r in read_log(out / LOG_NAME) if r["step"] <= state.step]
+            (out / LOG_NAME).write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(record: dict) -> None:
+        if main:
+            with (out / LOG_NAME).open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def finished() -> bool:
+        return state.epoch >= cfg.epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+
+    steps_per_epoch = len(loader)
+    summary = {**manifest.summary(), "train_crops": len(train_set), "val_crops": len(val_set),
+               "data_dir": str(data_dir), "train_config": cfg.to_dict(),
+               "device": torch.cuda.get_device_name(accelerator.device) if use_cuda else "cpu",
+               "num_processes": accelerator.num_processes}
+    logger.info("training on %d crops (%d validation), %d steps per epoch, %s x%d", len(train_set), len(val_set),
+                steps_per_epoch, summary["device"], accelerator.num_processes)
+    has_best = (out / "proxykv_config.json").is_file() and state.best_step >= 0
+    last_plot = time.perf_counter()
+
+    while not finished():
+        t0 = time.perf_counter()
+        sampler.use_epoch(state.epoch)
+        batches = accelerator.skip_first_batches(loader, state.epoch_step) if state.epoch_step else loader
+        model.train()
+        window: list[dict[str, float]] = []
+        epoch_loss, epoch_n = 0.0, 0
+        bar = tqdm(total=steps_per_epoch, initial=state.epoch_step, desc=f"epoch {state.epoch + 1}/{cfg.epochs}",
+                   disable=not (main and cfg.progress), leave=False)
+        for batch in batches:
+            with accelerator.autocast():
+                logits = model(batch["x"], attention_mask=batch["mask"].long())  # (B, L_l, H_l, C)
+            total, terms = hybrid_loss(logits.float(), batch["y"], batch["mask"], cfg.loss, generator=gen)
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(total)
+            if cfg.grad_clip is not None:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            lr = scheduler.lr
+            optimizer.step()
+            scheduler.step()
+            state.step += 1
+            state.epoch_step += 1
+            value = float(total.detach())
+            epoch_loss, epoch_n = epoch_loss + value, epoch_n + 1
+            window.append({"loss": value, **{f"loss_{k}": float(v.detach()) for k, v in terms.items()}})
+            bar.update(1)
+            bar.set_postfix(loss=f"{value:.3f}", refresh=False)
+            if state.step % cfg.log_every == 0:
+                mean = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
+                log({"kind": "step", "step": state.step, "epoch": state.epoch, "lr": lr, **mean})
+                window = []
+            if cfg.max_steps is not None and state.step >= cfg.max_steps:
+                break
+        bar.close()
+        complete = state.epoch_step >= steps_per_epoch
+        if complete:
+            state.epoch += 1
+            state.epoch_step = 0
+
+        metrics = None
+        if main:
+            metrics = evaluate_mapper(unwrapped, val_set, cfg.eval_ratios, cfg.loss,
+                                      batch_size=cfg.eval_batch_size or cfg.batch_size, seed=cfg.seed)
+        metrics = broadcast_object_list([metrics])[0]
+        train_loss = epoch_loss / max(epoch_n, 1)
+        monitor = metrics.get("loss", train_loss)  # no validation set: the training loss decides
+        if complete:
+            scheduler.epoch_end(monitor)
+        improved = monitor < state.best
+        if improved:
+            state.best, state.best_epoch, state.best_step = monitor, state.epoch, state.step
+        record = {"kind": "epoch", "epoch": state.epoch, "step": state.step, "complete": complete,
+                  "train_loss": train_loss, "lr": scheduler.lr, "wall_s": state.wall_s,
+                  **{f"val_{k}": v for k, v in metrics.items()}}
+        log(record)
+        logger.info("epoch %d step %d: train loss %.4f, val loss %.4f, mass recovery %s", state.epoch, state.step,
+                    train_loss, metrics.get("loss", float("nan")),
+                    {k.split("@")[1]: round(v, 4) for k, v in metrics.items() if k.startswith("mass_recovery")})
+        state.wall_s += time.perf_counter() - t0
+        if main:
+            if improved or not has_best:
+                training = {**summary, "steps": state.step, "epochs": _epochs(state, steps_per_epoch),
+                            "wall_time_s": round(state.wall_s, 1), "best_epoch": state.epoch,
+                            "best_step": state.step, "selected_by": "val loss" if metrics else "train loss"}
+                save_checkpoint(Checkpoint(mapper=unwrapped, proxy=manifest.proxy_spec(),
+                                           target=manifest.target_spec(), training=training,
+                                           metrics={k: v for k, v in metrics.items() if k != "crops"}), out)
+                has_best = True
+            _save_last(out, unwrapped, optimizer, scheduler, state, gen, mapper_config, cfg)
+            if time.perf_counter() - last_plot > PLOT_INTERVAL_S:  # long runs: a fresh figure now and then
+                plot_training(out / LOG_NAME, out / PLOT_NAME)
+                last_plot = time.perf_counter()
+        accelerator.wait_for_everyone()
+
+    if main:
+        plot_training(out / LOG_NAME, out / PLOT_NAME)
+    if not (out / "proxykv_config.json").is_file():
+        raise RuntimeError(f"no checkpoint in {out}: the run ended before its first evaluation")
+    return load_checkpoint(out)
+
+
+def _epochs(state: _State, steps_per_epoch: int) -> float:
+    return round(state.epoch + state.epoch_step / max(steps_per_epoch, 1), 3)
