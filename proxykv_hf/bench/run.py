@@ -1,0 +1,249 @@
+"""Time to first token, peak memory and decode speed per method and context length.
+
+``proxykv bench`` prints a table, a plot of TTFT and peak memory vs context length, and ends with one JSON line.
+TTFT is prefill + scoring + compaction (one forward over the prompt with the method's cache), the median of
+``repeats`` runs after a warm-up. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
+the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
+(``/proc/self/statm``). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..cache import ProxyKVCache
+from ..selection import select_topk
+
+logger = logging.getLogger(__name__)
+
+BENCH_METHODS = ("full", "snapkv", "kvzip", "kvzip_iam", "proxykv")
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    """A benchmark run.
+
+    Attributes:
+        methods: from :data:`BENCH_METHODS`.
+        context_lengths: prompt lengths in tokens.
+        keep_ratio: the budget of the compressing methods.
+        repeats: timed runs per point (median reported).
+        warmup: untimed runs before the first point.
+        decode_tokens: greedy steps timed after compaction (0 = skip).
+        seed: for the random prompts (timing does not depend on the token values).
+    """
+
+    methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "kvzip", "proxykv"])
+    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    keep_ratio: float = 0.3
+    repeats: int = 3
+    warmup: int = 1
+    decode_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = [m for m in self.methods if m not in BENCH_METHODS]
+        if bad:
+            raise ValueError(f"unknown bench methods {bad}; choose from {', '.join(BENCH_METHODS)}")
+        if "full" not in self.methods:
+            self.methods = ["full", *self.methods]  # ratios need the full-cache baseline of the same run
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+
+
+class PeakMemory:
+    """Peak memory (bytes) above the level at entry: CUDA allocator peak, or sampled RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self._max = max(self._max, self._rss())
+            time.sleep(0.001)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._base = self._max = self._rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self._max, self._rss()) - self._base
+
+
+def timed(fn, device: torch.device) -> tuple[object, float]:
+    """Run ``fn()`` and return (result, seconds), with CUDA events on a GPU."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return out, start.elapsed_time(end) / 1000
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+class Bench:
+    """Runs a :class:`BenchConfig` for one target (and the scorers built for it)."""
+
+    def __init__(self, model, scorers: dict, config: BenchConfig, *, proxy_parts=None):
+        self.model, self.scorers, self.config = model, scorers, config
+        self.device = next(model.parameters()).device
+        self.proxy_parts = proxy_parts  # (runner, layers, mapper) to time the ProxyKV breakdown
+        self.vocab = model.config.vocab_size
+
+    def _prompt(self, n: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.config.seed + n)
+        return torch.randint(10, self.vocab - 10, (1, n), generator=gen).to(self.device)
+
+    def _cache(self, method: str) -> ProxyKVCache:
+        scorer = self.scorers.get(method)
+        scorer = None if scorer is None else scorer.fresh()
+        return ProxyKVCache(scorer, self.config.keep_ratio if method != "full" else 1.0)
+
+    @torch.no_grad()
+    def _prefill(self, method: str, ids: torch.Tensor) -> ProxyKVCache:
+        cache = self._cache(method).prepare(self.model, ids)
+        self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    @torch.no_grad()
+    def _decode(self, cache: ProxyKVCache, n: int) -> float:
+        tok = torch.full((1, 1), 11, device=self.device)
+        pos = cache.get_seq_length()
+
+        def loop():
+            nonlocal tok
+            for i in range(self.config.decode_tokens):
+                out = self.model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor([[pos + i]],
+                                 device=self.device), use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
+
+        _, seconds = timed(loop, self.device)
+        return 1000 * seconds / max(1, self.config.decode_tokens)
+
+    @torch.no_grad()
+    def _breakdown(self, ids: torch.Tensor, full: ProxyKVCache) -> dict:
+        from ..proxy import proxy_features
+
+        runner, layers, mapper = self.proxy_parts
+        mask = torch.ones_like(ids)
+        x, t_proxy = timed(lambda: proxy_features(runner, ids, mask, layers=layers), self.device)
+        _, t_mapper = timed(lambda: mapper(x.to(next(mapper.parameters()).device), attention_mask=mask), self.device)
+        scores = torch.rand(1, full.layers[0].keys.shape[1], ids.shape[1], device=self.device)
+
+        def compact():
+            for layer in full.layers:
+                idx, _ = select_topk(scores, self.config.keep_ratio)
+                layer.keys.gather(2, idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1]))
+                layer.values.gather(2, idx[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
+
+        _, t_compact = timed(compact, self.device)
+        return {"proxy_s": t_proxy, "mapper_s": t_mapper, "compact_s": t_compact}
+
+    def run(self, progress=None) -> list[dict]:
+        cfg, rows = self.config, []
+        ids0 = self._prompt(min(cfg.context_lengths))
+        for _ in range(cfg.warmup):
+            for method in cfg.methods:
+                self._prefill(method, ids0)
+        for n in cfg.context_lengths:
+            ids = self._prompt(n)
+            base = {}
+            for method in cfg.methods:
+                times = []
+                for _ in range(cfg.repeats):
+                    cache, t = timed(lambda: self._prefill(method, ids), self.device)
+                    times.append(t)
+                with PeakMemory(self.device) as mem:
+                    cache = self._prefill(method, ids)
+                row = {"context": n, "method": method, "keep_ratio": 1.0 if method == "full" else cfg.keep_ratio,
+                       "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": mem.peak,
+                       "kv_bytes": cache.nbytes()}
+                if cfg.decode_tokens:
+                    row["decode_ms_per_token"] = self._decode(cache, n)
+                if method == "full":
+                    base = row
+                    if self.proxy_parts is not None and "proxykv" in cfg.methods:
+                        base["breakdown"] = self._breakdown(ids, cache if cfg.decode_tokens == 0 else
+                                                            self._prefill("full", ids))
+                row["ttft_vs_full"] = row["ttft_s"] / base["ttft_s"]
+                row["peak_vs_full"] = row["peak_prefill_bytes"] / max(1, base["peak_prefill_bytes"])
+                if "decode_ms_per_token" in row:
+                    row["decode_vs_full"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
+                if method == "proxykv" and "breakdown" in base:
+                    b = dict(base["breakdown"])
+                    side = b["proxy_s"] + b["mapper_s"]
+                    extra = row["ttft_s"] - base["ttft_s"] - b["compact_s"]
+                    b["target_prefill_s"] = base["ttft_s"]
+                    b["overlap_fraction"] = max(0.0, min(1.0, 1 - extra / side)) if side > 0 else 1.0
+                    row["breakdown"] = b
+                rows.append(row)
+                logger.info("bench %s", json.dumps(row))
+                if progress is not None:
+                    progress(row)
+        return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of the rows (times in ms, memory in MiB)."""
+    lines = ["| context | method | TTFT ms | TTFT / full | peak prefill MiB | peak / full | KV MiB | decode ms/tok |"
+             " decode / full |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['context']} | {r['method']} | {1000 * r['ttft_s']:.0f} | {r['ttft_vs_full']:.2f} | "
+            f"{r['peak_prefill_bytes'] / 2**20:.1f} | {r['peak_vs_full']:.2f} | {r['kv_bytes'] / 2**20:.1f} | "
+            f"{r.get('decode_ms_per_token', float('nan')):.1f} | {r.get('decode_vs_full', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path) -> None:
+    """TTFT and peak prefill memory vs context length, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == method]
+        a.plot([r["context"] for r in rs], [r["ttft_s"] for r in rs], marker="o", label=method)
+        b.plot([r["context"] for r in rs], [r["peak_prefill_bytes"] / 2**20 for r in rs], marker="o", label=method)
+    a.set(xlabel="context tokens", ylabel="time to first token (s)", xscale="log", yscale="log")
+    b.set(xlabel="context tokens", ylabel="peak prefill memory (MiB)", xscale="log")
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def summary_json(rows: list[dict], config: BenchConfig, env: dict) -> str:
+    return json.dumps({"config": asdict(config), "env": env, "rows": rows})

@@ -1,0 +1,267 @@
+"""The ``proxykv`` command: one function per subcommand.
+
+    proxykv demo                         # the bundled SmolLM2 + ProxyKV on a ~4k-token needle prompt
+    proxykv generate --method snapkv --keep-ratio 0.3 --prompt "..."
+    proxykv eval --methods full kvzip snapkv --keep-ratios 0.1 0.3 --tasks niah_single_1 --n-samples 5
+    proxykv build-data --tasks niah_single_1 qa --n-per-task 20 --tokens 2048 --out runs/data
+    proxykv train --data runs/data --out runs/mapper
+    proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
+
+Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
+a local directory, or the bundled default). Options that mirror a config dataclass are generated from it, so each
+default lives in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+import torch
+
+BUNDLED_MAPPER = Path(__file__).parent / "checkpoints" / "smollm2-135m-instruct"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
+    """``--field-name`` options for the simple fields (int, float, str, bool, lists of those) of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name.startswith("_"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        if base is bool or isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif isinstance(default, (list, tuple)) or typing.get_origin(base) in (list, tuple):
+            inner = typing.get_args(base)[0] if typing.get_args(base) else str
+            parser.add_argument(flag, nargs="+", type=inner if inner in (int, float, str) else str, default=default)
+        elif base in (int, float, str):
+            parser.add_argument(flag, type=base, default=default)
+
+
+def from_args(cls, ns: argparse.Namespace, **extra):
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    values.update(extra)
+    for f in dataclasses.fields(cls):  # tuples stay tuples
+        if f.name in values and isinstance(f.default, tuple):
+            values[f.name] = tuple(values[f.name])
+    return cls(**values)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load(ns) -> tuple:
+    """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default."""
+    if getattr(ns, "tiny", False):
+        from .testing import tiny_model, tiny_tokenizer
+
+        return tiny_model("llama", num_hidden_layers=4), tiny_tokenizer()
+    from .models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(ns.model, dtype=_dtype(ns.dtype), device=ns.device)
+
+
+def tiny_mapper_checkpoint(model, directory: str) -> str:
+    """A random (untrained) mapper for ``--tiny`` runs: exercises the machinery, predicts nothing useful."""
+    from .hub import Checkpoint, save_checkpoint
+    from .mapper import HybridAxialMapper, MapperConfig
+    from .proxy import ProxySpec, every_kth_layer
+    from .train.data import target_spec_of
+
+    layers = every_kth_layer(model.config.num_hidden_layers, 2)
+    spec = ProxySpec(kind="layers", num_layers=len(layers), num_heads=model.config.num_attention_heads,
+                     layers=layers)
+    target = target_spec_of(model, "tiny")
+    cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=spec.num_heads,
+                            num_target_layers=target.num_layers, num_target_heads=target.num_kv_heads)
+    torch.manual_seed(0)
+    save_checkpoint(Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target), directory)
+    return directory
+
+
+def _mapper_for(ns, model, tmp: str) -> str | None:
+    if getattr(ns, "mapper", None):
+        return ns.mapper
+    if getattr(ns, "tiny", False):
+        return tiny_mapper_checkpoint(model, tmp)
+    return str(BUNDLED_MAPPER) if BUNDLED_MAPPER.is_dir() else None
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from .models import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, local directory, or the bundled default")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model and tokenizer (for smoke tests)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--mapper", default=None, help="ProxyKV mapper checkpoint (default: the bundled one)")
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def cmd_generate(ns) -> int:
+    from .eval.methods import MethodOptions, build_method
+    from .pipeline import ProxyKVPipeline
+
+    model, tok = load(ns)
+    with tempfile.TemporaryDirectory() as tmp:
+        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp))
+        scorer = build_method(ns.method, model, options)
+        pipe = ProxyKVPipeline(model, tok, None if scorer is None else scorer.inner,
+                               keep_ratio=1.0 if scorer is None else ns.keep_ratio)
+        prompt = Path(ns.prompt_file).read_text() if ns.prompt_file else ns.prompt
+        if prompt is None:
+            raise SystemExit("give --prompt or --prompt-file")
+        if ns.question:
+            print(pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
+        else:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True) if tok.chat_template else prompt
+            print(pipe(text, max_new_tokens=ns.max_new_tokens))
+    return 0
+
+
+def cmd_eval(ns) -> int:
+    from .eval.harness import EvalConfig, run_eval
+    from .eval.methods import MethodOptions
+    from .eval.report import write_report
+
+    model, tok = load(ns)
+    cfg = from_args(EvalConfig, ns)
+    with tempfile.TemporaryDirectory() as tmp:
+        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), seed=ns.seed,
+                                kvzip_chunk=ns.kvzip_chunk)
+        out = run_eval(model, tok, cfg, options)
+    print(write_report(out))
+    print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
+    return 0
+
+
+def cmd_build_data(ns) -> int:
+    from .train.data import DataConfig, build_dataset, texts_from_files, texts_from_tasks
+
+    model, tok = load(ns)
+    cfg = from_args(DataConfig, ns)
+    texts = []
+    if ns.tasks:
+        texts += texts_from_tasks(ns.tasks, ns.n_per_task, ns.tokens, tok, seed=ns.seed)
+    if ns.files:
+        texts += list(texts_from_files(ns.files))
+    if not texts:
+        raise SystemExit("give --tasks and/or --files")
+    proxy = None
+    if cfg.proxy_kind == "model":
+        from .models import load_model
+
+        proxy = load_model(cfg.proxy_model_id, dtype=_dtype(ns.dtype), device=ns.device)
+    manifest = build_dataset(texts, model, tok, ns.out, cfg, proxy=proxy)
+    print(json.dumps(manifest.summary(), indent=2))
+    return 0
+
+
+def cmd_train(ns) -> int:
+    from .train.loop import TrainConfig, mapper_config_for, train_mapper
+
+    cfg = from_args(TrainConfig, ns)
+    mapper_cfg = mapper_config_for(ns.data, ns.preset)
+    ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
+    print(json.dumps(ckpt.metrics, indent=2))
+    return 0
+
+
+def cmd_bench(ns) -> int:
+    from .bench.cli import run_bench
+
+    return run_bench(ns)
+
+
+def cmd_demo(ns) -> int:
+    from .demo import run_demo
+
+    return run_demo(ns)
+
+
+# ------------------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    from .bench.run import BenchConfig
+    from .eval.harness import EvalConfig
+    from .eval.methods import METHODS
+    from .train.data import DataConfig
+    from .train.loop import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="proxykv", description="ProxyKV KV-cache pruning for transformers")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long needle prompt with each method")
+    _common(p)
+    p.add_argument("--context-tokens", type=int, default=4096)
+    p.add_argument("--keep-ratio", type=float, default=0.3)
+    p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("generate", help="answer a prompt with a compressed cache")
+    _common(p)
+    p.add_argument("--method", default="proxykv", choices=METHODS)
+    p.add_argument("--keep-ratio", type=float, default=0.3)
+    p.add_argument("--prompt")
+    p.add_argument("--prompt-file")
+    p.add_argument("--question", nargs="+", help="questions asked on the compressed prompt (query-agnostic)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
+    _common(p)
+    add_dataclass_args(p, EvalConfig)
+    p.add_argument("--kvzip-chunk", type=int, default=2048)
+    p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards")
+    _common(p)
+    add_dataclass_args(p, DataConfig, skip=("oracle_kwargs",))
+    p.add_argument("--tasks", nargs="*", default=[])
+    p.add_argument("--files", nargs="*", default=[])
+    p.add_argument("--n-per-task", type=int, default=10)
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_build_data)
+
+    p = sub.add_parser("train", help="train a HybridAxialMapper on built data")
+    add_dataclass_args(p, TrainConfig, skip=("loss",))
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"])
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
+    _common(p)
+    add_dataclass_args(p, BenchConfig)
+    p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
+    p.add_argument("--out", default=None, help="directory for the table, plot and JSON")
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    return ns.fn(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
