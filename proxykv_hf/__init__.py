@@ -2,7 +2,8 @@
 
 from .cache import ProxyKVCache, ProxyKVLayer
 from .pipeline import ProxyKVGenerationPipeline, ProxyKVPipeline, register_pipeline
-from .scorers import RandomScorer, Scorer, SnapKVScorer, StreamingLLMScorer
+from .scorers import KVzipScorer, RandomScorer, Scorer, SnapKVScorer, StreamingLLMScorer
+from .scorers.kvzip import full_attention_layers, kvzip_scores
 from .selection import select_topk
 
 __version__ = "0.1.0"
@@ -10,6 +11,7 @@ __version__ = "0.1.0"
 register_pipeline()  # makes pipeline("proxykv-generation") available; nothing else happens on import
 
 __all__ = [
+    "KVzipScorer",
     "ProxyKVCache",
     "ProxyKVGenerationPipeline",
     "ProxyKVLayer",
@@ -18,5 +20,7 @@ __all__ = [
     "Scorer",
     "SnapKVScorer",
     "StreamingLLMScorer",
+    "full_attention_layers",
+    "kvzip_scores",
     "select_topk",
 ]

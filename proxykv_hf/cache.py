@@ -407,6 +407,8 @@ class ProxyKVCache(DynamicCache):
             self._check_continuation()
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
+        if not isinstance(layer, ProxyKVLayer) and self._pending_all and self._all_layers_ready(layer_idx):
+            self._score_all()  # the model ends with sliding layers: score once the last one holds its K/V
         if isinstance(layer, ProxyKVLayer):
             if not layer.compacted and layer.cumulative_length >= self.prefill_length:
                 attention.set_pending(_PendingLayer(self, layer_idx, compact=True))
@@ -423,16 +425,24 @@ class ProxyKVCache(DynamicCache):
             return
         if self.scorer.needs_all_layers:
             self._pending_all.append(layer_idx)
-            if len(self._pending_all) == len(self.compactable_layers()):
-                scores = self.scorer.score_all(self.prompt, self)
-                for i in self._pending_all:
-                    self._compact(i, scores[i])
-                self._pending_all = []
+            if self._all_layers_ready(layer_idx):
+                self._score_all()
             return
         inputs = LayerInputs(layer_idx=layer_idx, keys=key[:, :, :T], values=value[:, :, :T], queries=query,
                              attention_mask=attention_mask, scaling=scaling, prompt=self.prompt,
                              compact_index=self.compactable_layers().index(layer_idx), module=module)
         self._compact(layer_idx, self.scorer.score(inputs))
+
+    def _all_layers_ready(self, layer_idx: int) -> bool:
+        """All compactable layers prefilled, and ``layer_idx`` is the model's last layer (Gemma3 can end with
+        sliding layers, whose K/V a global scorer needs too)."""
+        return len(self._pending_all) == len(self.compactable_layers()) and layer_idx == len(self.layers) - 1
+
+    def _score_all(self) -> None:
+        scores = self.scorer.score_all(self.prompt, self)
+        for i in self._pending_all:
+            self._compact(i, scores[i])
+        self._pending_all = []
 
     def _compact(self, layer_idx: int, scores: torch.Tensor) -> None:
         layer = self.layers[layer_idx]

@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards")
     _common(p)
-    add_dataclass_args(p, DataConfig, skip=("oracle_kwargs",))
+    add_dataclass_args(p, DataConfig, skip=("oracle_kwargs", "dtype"))
     p.add_argument("--tasks", nargs="*", default=[])
     p.add_argument("--files", nargs="*", default=[])
     p.add_argument("--n-per-task", type=int, default=10)

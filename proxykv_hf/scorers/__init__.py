@@ -1,8 +1,9 @@
 """Scoring methods: each turns a prefill into `(B, H_kv, T)` importance scores (higher = keep)."""
 
 from .base import LayerInputs, Prompt, Scorer
+from .kvzip import KVzipScorer
 from .random import RandomScorer
 from .snapkv import SnapKVScorer
 from .streaming import StreamingLLMScorer
 
-__all__ = ["LayerInputs", "Prompt", "RandomScorer", "Scorer", "SnapKVScorer", "StreamingLLMScorer"]
+__all__ = ["KVzipScorer", "LayerInputs", "Prompt", "RandomScorer", "Scorer", "SnapKVScorer", "StreamingLLMScorer"]

@@ -1,0 +1,287 @@
+"""KVzipScorer / kvzip_scores: a naive reference, chunking, padded batches, generate with compaction, errors."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from proxykv_hf import ProxyKVCache
+from proxykv_hf.cache import ProxyKVLayer
+from proxykv_hf.scorers.kvzip import KVzipScorer, full_attention_layers, kvzip_scores
+from proxykv_hf.selection import select_topk
+from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+
+FIRST = "\n\nRepeat the previous context exactly."
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+TINY_POSTFIX = "</s>\n<s>assistant\n"  # end of the user turn + assistant header in testing.CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models and a naive reference made of thousands of tiny ops: thread hand-offs would dominate, badly so on
+    a busy machine (7 s instead of 0.2 s for one naive run on 2 shared cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def naive_kvzip(model, ctx: list[int], tok, chunk_size: int, prev: int, n_sink: int) -> torch.Tensor:
+    """KVzip by hand for one unpadded row: `(L, H_kv, T)` (every layer, sliding ones included).
+
+    Per chunk, the model runs on the concatenated sequence [context + repeat input] without any cache; each layer's
+    post-RoPE queries and keys are recomputed from its input hidden states, and the softmax over [sinks + chunk +
+    repeat keys up to the query] is written out explicitly, one query and one head at a time.
+    """
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    attns = [layer.self_attn for layer in model.model.layers]
+    H, H_kv, D = model.config.num_attention_heads, model.config.num_key_value_heads, attns[0].head_dim
+    G, T = H // H_kv, len(ctx)
+    scores = torch.zeros(len(attns), H_kv, T, dtype=torch.float64)
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        if s == 0:
+            head = enc(FIRST)
+        else:
+            previous = ctx[s - chunk_size:s]
+            head = enc(LATER) + (previous[max(len(previous) - prev, 0):] if prev else [])
+        rep = head + enc(TINY_POSTFIX) + ctx[s:e]
+        captured = {}
+
+        def hook(mod, args, kwargs, output, i):
+            captured[i] = (kwargs["hidden_states"], kwargs["position_embeddings"])
+
+        handles = [a.register_forward_hook(lambda m, a_, k, o, i=i: hook(m, a_, k, o, i), with_kwargs=True)
+                   for i, a in enumerate(attns)]
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ctx + rep]), use_cache=False)
+        for h in handles:
+            h.remove()
+        sinks = list(range(min(n_sink, s)))
+        chunk = list(range(s, e))
+        for i, attn in enumerate(attns):
+            hidden, (cos, sin) = captured[i]
+            with torch.no_grad():
+                q = attn.q_proj(hidden).view(1, -1, H, D).transpose(1, 2)
+                k = attn.k_proj(hidden).view(1, -1, H_kv, D).transpose(1, 2)
+                if hasattr(attn, "q_norm"):  # qwen3, gemma3: RMSNorm over D before RoPE
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = q[0].double(), k[0].repeat_interleave(G, dim=0).double()  # (H, T + Q, D) both
+            for j in range(len(rep)):  # one repeat query at a time, all query heads at once
+                cand = sinks + chunk + [T + m for m in range(j + 1)]
+                logits = torch.einsum("hd,hnd->hn", q[:, T + j], k[:, cand]) * attn.scaling  # gemma3: not D**-0.5
+                p = torch.exp(logits - logits.amax(-1, keepdim=True))
+                p = p / p.sum(-1, keepdim=True)  # (H, |cand|)
+                col = p[:, len(sinks):len(sinks) + len(chunk)].view(H_kv, G, -1).amax(1)  # max over the group
+                scores[i, :, s:e] = torch.maximum(scores[i, :, s:e], col)
+    scores[:, :, :n_sink] = 1.0
+    return scores.float()
+
+
+def test_templates_and_repeat_inputs(tok):
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    scorer = KVzipScorer(tok, chunk_size=16, prev_postfix_size=8)
+    assert scorer.templates(tok) == (enc(FIRST), enc(LATER), enc(TINY_POSTFIX))
+    ctx = list(range(10, 50))  # 40 tokens -> chunks [0,16) [16,32) [32,40)
+    reps = scorer.repeat_inputs(ctx)
+    assert [(s, e) for s, e, _ in reps] == [(0, 16), (16, 32), (32, 40)]
+    assert reps[0][2] == enc(FIRST) + enc(TINY_POSTFIX) + ctx[:16]
+    assert reps[1][2] == enc(LATER) + ctx[8:16] + enc(TINY_POSTFIX) + ctx[16:32]
+    assert reps[2][2] == enc(LATER) + ctx[24:32] + enc(TINY_POSTFIX) + ctx[32:]
+    # no chat template, or not asked to use it: plain "\n" closes the prompt (kvpress's fallback)
+    plain = KVzipScorer(tok, use_chat_template=False)
+    assert plain.templates(tok)[2] == enc("\n")
+    assert KVzipScorer(tok, prev_postfix_size=0, chunk_size=16).repeat_inputs(ctx)[1][2] == \
+        enc(LATER) + enc(TINY_POSTFIX) + ctx[16:32]
+    # chunks shorter than prev_postfix_size are quoted whole
+    short = KVzipScorer(tok, chunk_size=3, prev_postfix_size=8).repeat_inputs(ctx[:7])
+    assert [rep for _, _, rep in short] == [enc(FIRST) + enc(TINY_POSTFIX) + ctx[:3],
+                                            enc(LATER) + ctx[:3] + enc(TINY_POSTFIX) + ctx[3:6],
+                                            enc(LATER) + ctx[3:6] + enc(TINY_POSTFIX) + ctx[6:7]]
+
+
+@pytest.mark.parametrize("family,chunk_size", [("llama", 16), ("llama", 64), ("qwen3", 16), ("gemma3", 16)])
+def test_scores_equal_naive_reference(tok, family, chunk_size):
+    """gemma3: T = 40 > the sliding window (16), so the repeat forward must see the sliding layers' windows right."""
+    model = tiny_model(family)
+    inputs = random_prompt(1, 40, seed=1)
+    layers = full_attention_layers(model)
+    got = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=chunk_size)[layers, 0]  # (L_full, H_kv, T)
+    ref = naive_kvzip(model, inputs["input_ids"][0].tolist(), tok, chunk_size, 8, 4)[layers]
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    assert float(got.min()) > 0 and float(got.max()) <= 1.0
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(T=17, chunk_size=3, prev=8, n_sink=5, seed=1)  # fewer sinks before chunk 1 than n_sink; carry > chunk
+@given(T=st.integers(5, 30), chunk_size=st.integers(3, 20), prev=st.integers(0, 9), n_sink=st.integers(0, 6),
+       seed=st.integers(0, 100))
+def test_scores_equal_naive_reference_any_chunking(llama, tok, T, chunk_size, prev, n_sink, seed):
+    inputs = random_prompt(1, T, seed=seed)
+    got = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=chunk_size, prev_postfix_size=prev,
+                       n_sink=n_sink)[:, 0]
+    ref = naive_kvzip(llama, inputs["input_ids"][0].tolist(), tok, chunk_size, prev, n_sink)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_chunking_invariants(llama, tok):
+    """What chunking may and may not change.
+
+    * Any ``chunk_size >= T`` is the same single chunk: identical scores.
+    * ``chunk_size < T`` changes the scores, legitimately: each chunk's softmax is over [sinks + that chunk + repeat],
+      so a key competes with fewer context keys. Nor do chunk 0's columns equal a single-chunk run on the truncated
+      context ``ctx[:C]``: the repeat tokens attend to the *whole* context inside the model, so truncating it changes
+      their hidden states. The per-chunk maths (sets, carry-over, sinks) is pinned by the naive reference instead,
+      for random chunk sizes; here only the [0, 1] range is checked.
+    """
+    inputs = random_prompt(1, 40, seed=2)
+    one = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=40)
+    assert torch.equal(one, kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=10**6))
+    small = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=8)
+    assert not torch.allclose(one, small)
+    assert float(small.min()) >= 0 and float(small.max()) <= 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_left_padded_batch_equals_rows_alone(tok, family):
+    model = tiny_model(family)
+    # a non-zero embedding for the pad id (zero at init): padding repeat queries would win some maxima if they voted
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[tok.pad_token_id] = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
+    lengths = [40, 23]  # chunk 16: 3 and 2 chunks (the second row is absent from the last forward)
+    batch = random_prompt(2, 40, lengths=lengths, seed=3)
+    got = kvzip_scores(model, **batch, tokenizer=tok, chunk_size=16)
+    assert got.shape == (model.config.num_hidden_layers, 2, model.config.num_key_value_heads, 40)
+    for b, n in enumerate(lengths):
+        alone = {k: v[b:b + 1, -n:] for k, v in batch.items()}
+        ref = kvzip_scores(model, **alone, tokenizer=tok, chunk_size=16)
+        torch.testing.assert_close(got[:, b, :, 40 - n:], ref[:, 0], rtol=0, atol=1e-5)
+        assert torch.all(got[:, b, :, :40 - n] == 0)  # padding scores 0
+
+
+def test_sinks_score_one_and_sliding_layers_are_zero(tok):
+    model = tiny_model("gemma3", num_hidden_layers=6)
+    layers = full_attention_layers(model)
+    assert layers == [2, 5]
+    s = kvzip_scores(model, **random_prompt(1, 30, seed=4), tokenizer=tok, chunk_size=12)
+    assert torch.all(s[layers][..., :4] == 1.0)
+    assert torch.all(s[layers][..., 4:] < 1.0)
+    assert torch.all(s[[0, 1, 3, 4]] == 0)
+    assert torch.all(kvzip_scores(model, **random_prompt(1, 30, seed=4), tokenizer=tok, n_sink=0)[layers] < 1.0)
+
+
+def test_dtype_option(llama, tok):
+    inputs = random_prompt(1, 30, seed=5)
+    ref = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=12)
+    torch.testing.assert_close(kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=12, dtype=torch.float64),
+                               ref, rtol=0, atol=1e-6)
+    half = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=12, dtype=torch.bfloat16)
+    torch.testing.assert_close(half, ref, rtol=0, atol=2e-2)
+
+
+# 4 gemma3 layers: [sliding, sliding, full, sliding]: the last layer runs after the scorer is called
+@pytest.mark.parametrize("family,layers", [("llama", 3), ("gemma3", 3), ("gemma3", 4)])
+def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
+    model = tiny_model(family, num_hidden_layers=layers)
+    N, rho = 40, 0.3
+    inputs = random_prompt(1, N, seed=6)
+    kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    full = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+    cache = ProxyKVCache(KVzipScorer(tok, chunk_size=16), keep_ratio=rho)
+    out = model.generate(**inputs, past_key_values=cache, **kw)
+    # the first token comes from the full prefill, untouched by the nested repeat forwards
+    torch.testing.assert_close(out.logits[0], full.logits[0], rtol=0, atol=0)
+    t = out.sequences.shape[1] - N - 1
+    K = math.ceil(rho * N)
+    ref_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(**inputs, past_key_values=ref_cache)
+    scores = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
+    compacted = cache.compactable_layers()
+    assert compacted == full_attention_layers(model)
+    for i in compacted:
+        layer = cache.layers[i]
+        assert isinstance(layer, ProxyKVLayer)
+        assert layer.keys.shape[-2] == K + t
+        assert cache.get_seq_length(i) == N + t
+        kept = layer.kept_positions
+        assert torch.all(kept[..., :4] == torch.arange(4))  # sinks always kept
+        # the kept entries are the top-K of the functional scores, and hold the prefill's K/V (no repeat tokens)
+        idx, _ = select_topk(scores[i], rho, n_sink=4)
+        assert torch.equal(kept, idx)
+        gather = kept[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+        torch.testing.assert_close(layer.keys[:, :, :K], ref_cache.layers[i].keys.gather(2, gather), rtol=0, atol=0)
+    assert cache.get_seq_length() == N + t
+
+
+def test_generate_padded_batch(tok):
+    model = tiny_model("llama")
+    batch = random_prompt(2, 36, lengths=[36, 25], seed=7)
+    cache = ProxyKVCache(KVzipScorer(tok, chunk_size=16), keep_ratio=0.3)
+    out = model.generate(**batch, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 39)
+    assert cache.layers[0].keys.shape[-2] == math.ceil(0.3 * 36) + 2
+    scores = kvzip_scores(model, **batch, tokenizer=tok, chunk_size=16)
+    idx, _ = select_topk(scores[0], 0.3, batch["attention_mask"].bool(), n_sink=4)
+    assert torch.equal(cache.layers[0].kept_positions, idx)
+
+
+def test_tokenizer_from_model_path(tmp_path, tok, llama):
+    tok.save_pretrained(tmp_path)
+    model = tiny_model("llama")
+    model.config._name_or_path = str(tmp_path)
+    inputs = random_prompt(1, 30, seed=8)
+    cache = ProxyKVCache(KVzipScorer(chunk_size=16), keep_ratio=0.5)
+    with torch.no_grad():
+        model(**inputs, past_key_values=cache)
+    assert cache.layers[0].keys.shape[-2] == 15
+    torch.testing.assert_close(
+        kvzip_scores(model, **inputs, chunk_size=16), kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=16))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(chunk_size=0), "chunk_size"), (dict(chunk_size=2.5), "chunk_size"),
+    (dict(prev_postfix_size=-1), "prev_postfix_size"), (dict(n_sink=-1), "n_sink"), (dict(n_sink=True), "n_sink"),
+    (dict(use_chat_template="yes"), "use_chat_template"), (dict(dtype=torch.int64), "dtype"),
+    (dict(dtype="float32"), "dtype"),
+])
+def test_bad_arguments(tok, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVzipScorer(tok, **kwargs)
+
+
+def test_bad_inputs(tok, llama):
+    with pytest.raises(ValueError, match="tokenizer"):
+        KVzipScorer("not a tokenizer")
+    inputs = random_prompt(1, 20, seed=9)
+    with pytest.raises(ValueError, match="KVzipScorer\\(tokenizer\\)"):  # no tokenizer, no name_or_path
+        with torch.no_grad():
+            llama(**inputs, past_key_values=ProxyKVCache(KVzipScorer(), keep_ratio=0.5))
+    with pytest.raises(ValueError, match="KVzipScorer\\(tokenizer\\)"):
+        kvzip_scores(llama, **inputs)
+    right = random_prompt(2, 20, seed=9)
+    right["attention_mask"][1, -3:] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        kvzip_scores(llama, **right, tokenizer=tok)
+    empty = random_prompt(2, 20, seed=9)
+    empty["attention_mask"][1] = 0
+    with pytest.raises(ValueError, match="all padding"):
+        kvzip_scores(llama, **empty, tokenizer=tok)
+    with pytest.raises(ValueError, match="input_ids"):  # needs ids: embeddings alone are refused by the cache
+        ProxyKVCache(KVzipScorer(tok), keep_ratio=0.5).prepare(llama, inputs_embeds_shape=(1, 20))
