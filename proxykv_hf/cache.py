@@ -370,7 +370,7 @@ class ProxyKVCache(DynamicCache):
         self.prompt = prompt
         k_row = keep_counts(n_real, self.keep_ratio, self.n_sink + self.n_recent)
         self._k_max = int(k_row.max())
-        if self._k_max < prompt.length and self.scorer is not None:
+        if self.scorer is not None and (self._k_max < prompt.length or self.record_only):
             self.scorer.prepare(prompt)
 
     @property

@@ -39,8 +39,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str,
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        args = typing.get_args(hint)
-        base = next((a for a in args if a is not type(None)), hint) if args else hint
+        base = hint
+        if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            base = next(a for a in typing.get_args(hint) if a is not type(None))  # Optional[X] -> X
         if base is bool or isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, (list, tuple)) or typing.get_origin(base) in (list, tuple):

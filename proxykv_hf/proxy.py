@@ -117,16 +117,33 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return base if base is not None and hasattr(base, "layers") else model
 
 
+def _renumbered(layer: nn.Module, idx: int) -> nn.Module:
+    """A shallow copy of a decoder layer whose attention reports ``layer_idx = idx`` (weights shared)."""
+    twin = copy.copy(layer)
+    twin._modules = dict(layer._modules)
+    for name, child in layer._modules.items():
+        if hasattr(child, "layer_idx"):
+            attn = copy.copy(child)
+            attn.layer_idx = idx
+            twin._modules[name] = attn
+    if hasattr(twin, "layer_idx"):
+        twin.layer_idx = idx
+    return twin
+
+
 def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
-    """A decoder that runs only ``layers`` of ``model`` on the same weights (no copy of any parameter)."""
+    """A decoder that runs only ``layers`` of ``model`` on the same weights (no copy of any parameter); its layers
+    are numbered ``0..len(layers)-1`` so that it works with any cache."""
     base = decoder_of(model)
+    if list(layers) != sorted(set(layers)):
+        raise ValueError(f"layers must be increasing and distinct, got {layers}")
     n = len(base.layers)
     bad = [i for i in layers if not 0 <= i < n]
     if bad:
         raise ValueError(f"layer indices {bad} out of range for a model with {n} layers")
     sub = copy.copy(base)  # shallow: shares every submodule and parameter
     sub._modules = dict(base._modules)
-    sub.layers = nn.ModuleList([base.layers[i] for i in layers])
+    sub.layers = nn.ModuleList([_renumbered(base.layers[i], j) for j, i in enumerate(layers)])
     cfg = copy.copy(base.config)
     cfg.num_hidden_layers = len(layers)
     if getattr(cfg, "layer_types", None) is not None:

@@ -1,0 +1,104 @@
+"""KVzip+IAM: KVzip scores computed on a proxy, mapped to the target by a fixed alignment, no learned mapper.
+
+The ProxyKV paper's static-alignment baseline ("IAM's static layer-to-layer alignment adapted to KVzip"; IAM is
+Zhao et al., 2025, cited by the paper). The paper does not give the exact rule, so this module fixes one:
+
+* **Proxy**: a separate small model of the family, or a subset of the target's own layers (every 3rd by default).
+* **Proxy scores**: KVzip's reconstruction scores, computed on the proxy exactly as :mod:`.kvzip` does on the target.
+* **Layer alignment**: target layer ``l`` (1-based) reads proxy layer ``ceil(l * L_s / L_l)`` (depth-proportional);
+  or, after :meth:`KVzipIAMScorer.calibrate`, the proxy layer whose KVzip scores correlate best (Pearson over
+  tokens, mean over rows and heads) with that target layer's on calibration prompts.
+* **Head alignment**: target KV head ``h`` reads proxy KV head ``floor(h * H_s / H_l)``; after calibration, the
+  proxy head of the aligned layer that correlates best with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..proxy import every_kth_layer, layer_subset
+from .base import LayerInputs, Prompt, Scorer
+from .kvzip import KVzipScorer, full_attention_layers, kvzip_scores
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Correlation over the last axis."""
+    a = a - a.mean(-1, keepdim=True)
+    b = b - b.mean(-1, keepdim=True)
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)
+
+
+class KVzipIAMScorer(Scorer):
+    """KVzip on a proxy + a static layer/head alignment.
+
+    Args:
+        tokenizer: the (shared) tokenizer, for KVzip's repeat prompts.
+        proxy: a separate proxy model; None runs a subset of the target's layers.
+        layers: target layers of the layer-subset proxy (default every 3rd); ignored with ``proxy``.
+        chunk_size: KVzip's reconstruction chunk.
+        n_sink: first tokens always kept (KVzip's sinks).
+    """
+
+    needs_input_ids = True
+
+    def __init__(self, tokenizer=None, *, proxy=None, layers: list[int] | None = None, chunk_size: int = 2048,
+                 n_sink: int = 4):
+        self.tokenizer, self.proxy, self.layers = tokenizer, proxy, layers
+        self.chunk_size, self.n_sink = chunk_size, n_sink
+        self.layer_map: list[int] | None = None  # compacted-layer index -> proxy layer index
+        self.head_map: list[list[int]] | None = None  # [target layer][target KV head] -> proxy KV head
+        self._scores: torch.Tensor | None = None
+
+    def fresh(self) -> "KVzipIAMScorer":
+        clone = KVzipIAMScorer(self.tokenizer, proxy=self.proxy, layers=self.layers, chunk_size=self.chunk_size,
+                               n_sink=self.n_sink)
+        clone.layer_map, clone.head_map = self.layer_map, self.head_map
+        return clone
+
+    def _runner(self, target):
+        if self.proxy is not None:
+            return self.proxy
+        layers = self.layers or every_kth_layer(target.config.num_hidden_layers, 3)
+        return layer_subset(target, layers)
+
+    def proxy_scores(self, target, input_ids, attention_mask=None) -> torch.Tensor:
+        """KVzip scores `(L_s, B, H_s, T)` on the proxy's full-attention layers."""
+        runner = self._runner(target)
+        scores = kvzip_scores(runner, input_ids.to(next(runner.parameters()).device), attention_mask,
+                              tokenizer=self.tokenizer, chunk_size=self.chunk_size, n_sink=self.n_sink)
+        return scores[full_attention_layers(runner)]
+
+    def _default_maps(self, n_target: int, h_target: int, n_proxy: int, h_proxy: int) -> None:
+        self.layer_map = [math.ceil((l + 1) * n_proxy / n_target) - 1 for l in range(n_target)]
+        self.head_map = [[h * h_proxy // h_target for h in range(h_target)] for _ in range(n_target)]
+
+    @torch.no_grad()
+    def calibrate(self, target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "KVzipIAMScorer":
+        """Fix the alignment from calibration prompts: KVzip on target and proxy, best-correlated layer and head."""
+        y_t = kvzip_scores(target, input_ids, attention_mask, tokenizer=self.tokenizer, chunk_size=self.chunk_size,
+                           n_sink=self.n_sink)[full_attention_layers(target)]  # (L_t, B, H_t, T)
+        y_s = self.proxy_scores(target, input_ids, attention_mask).to(y_t.device)  # (L_s, B, H_s, T)
+        a = y_t[:, None, :, :, None, :]  # (L_t, 1, B, H_t, 1, T)
+        b = y_s[None, :, :, None, :, :]  # (1, L_s, B, 1, H_s, T)
+        corr = _pearson(a, b).mean(dim=2)  # (L_t, L_s, H_t, H_s), averaged over rows
+        layer_score = corr.amax(-1).mean(-1)  # (L_t, L_s): best proxy head per target head, mean over heads
+        self.layer_map = layer_score.argmax(-1).tolist()
+        self.head_map = [corr[l, self.layer_map[l]].argmax(-1).tolist() for l in range(corr.shape[0])]
+        return self
+
+    def prepare(self, prompt: Prompt) -> None:
+        target = prompt.model
+        ids, mask = prompt.input_ids, prompt.valid.long()
+        self._scores = self.proxy_scores(target, ids, mask)  # (L_s, B, H_s, T)
+        if self.layer_map is None:
+            n_target = len(full_attention_layers(target))
+            text = target.config.get_text_config(decoder=True)
+            self._default_maps(n_target, text.num_key_value_heads, self._scores.shape[0], self._scores.shape[2])
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        li = inputs.compact_index
+        heads = torch.tensor(self.head_map[li], device=self._scores.device)
+        out = self._scores[self.layer_map[li]].index_select(1, heads)  # (B, H_kv, T)
+        return out.to(inputs.keys.device)

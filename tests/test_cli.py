@@ -1,0 +1,74 @@
+"""The proxykv command on tiny models: every subcommand runs end to end in seconds."""
+
+import json
+
+import pytest
+import torch
+
+from proxykv_hf.cli import main
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_eval_tiny(tmp_path, capsys):
+    out = tmp_path / "eval"
+    main(["eval", "--tiny", "--methods", "full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam",
+          "--keep-ratios", "0.3", "0.7", "--tasks", "niah_single_1", "--context-lengths", "300", "--n-samples", "2",
+          "--max-new-tokens", "4", "--out-dir", str(out), "--kvzip-chunk", "128"])
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * (1 + 6 * 2)
+    assert {r["method"] for r in records} == {"full", "kvzip", "snapkv", "streaming", "random", "proxykv",
+                                               "kvzip_iam"}
+    kv = {(r["method"], r["keep_ratio"]): r["kv_bytes"] for r in records if r["sample"] == 0}
+    assert kv[("snapkv", 0.3)] < kv[("snapkv", 0.7)] < kv[("full", 1.0)]
+    fid = [r for r in records if r["method"] == "kvzip"]
+    assert all(r["topk_recall"] == pytest.approx(1.0) for r in fid)  # the oracle against itself
+    assert (out / "results.md").exists() and (out / "accuracy.png").exists()
+    # resumable: a second run adds nothing
+    main(["eval", "--tiny", "--methods", "full", "snapkv", "--keep-ratios", "0.3", "0.7", "--tasks",
+          "niah_single_1", "--context-lengths", "300", "--n-samples", "2", "--max-new-tokens", "4", "--out-dir",
+          str(out)])
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(records)
+    assert "ProxyKV / KVzip" in capsys.readouterr().out
+
+
+def test_generate_tiny(capsys):
+    main(["generate", "--tiny", "--method", "snapkv", "--keep-ratio", "0.5", "--prompt", "hello " * 30,
+          "--max-new-tokens", "3"])
+    main(["generate", "--tiny", "--method", "proxykv", "--prompt", "the code is 12. " * 10, "--question", "code?",
+          "again?", "--max-new-tokens", "3"])
+    assert capsys.readouterr().out.count("\n") >= 2
+
+
+def test_bench_tiny(tmp_path, capsys):
+    main(["bench", "--tiny", "--methods", "full", "snapkv", "kvzip", "proxykv", "--context-lengths", "64", "128",
+          "--repeats", "1", "--decode-tokens", "4", "--out", str(tmp_path)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    rows = json.loads(last)["rows"]
+    assert {(r["context"], r["method"]) for r in rows} == {(n, m) for n in (64, 128)
+                                                            for m in ("full", "snapkv", "kvzip", "proxykv")}
+    full = [r for r in rows if r["method"] == "full"]
+    assert all(r["ttft_vs_full"] == 1.0 for r in full)
+    snap = [r for r in rows if r["method"] == "snapkv" and r["context"] == 128][0]
+    assert snap["kv_bytes"] < full[1]["kv_bytes"]
+    prox = [r for r in rows if r["method"] == "proxykv"][0]
+    assert {"proxy_s", "mapper_s", "compact_s", "overlap_fraction"} <= set(prox["breakdown"])
+    assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.md").exists()
+
+
+def test_build_data_and_train_tiny(tmp_path, capsys):
+    data, mapper = tmp_path / "data", tmp_path / "mapper"
+    main(["build-data", "--tiny", "--tasks", "niah_single_1", "--n-per-task", "2", "--tokens", "250",
+          "--crop-len", "64", "--stride", "32", "--out", str(data)])
+    main(["train", "--data", str(data), "--out", str(mapper), "--preset", "tiny", "--epochs", "1",
+          "--warmup-steps", "2", "--batch-size", "4", "--no-progress"])
+    from proxykv_hf import ProxyKVCache
+
+    cache = ProxyKVCache.from_pretrained(mapper, keep_ratio=0.5)
+    assert cache.scorer.checkpoint.target.num_layers == 4

@@ -1,0 +1,57 @@
+"""KVzip+IAM: KVzip on a proxy, mapped by a fixed layer/head alignment."""
+
+import math
+
+import pytest
+import torch
+
+from proxykv_hf import ProxyKVCache
+from proxykv_hf.proxy import layer_subset, proxy_features
+from proxykv_hf.scorers.iam import KVzipIAMScorer
+from proxykv_hf.scorers.kvzip import kvzip_scores
+from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", num_hidden_layers=6)
+
+
+def test_default_alignment_and_scores(target):
+    tok = tiny_tokenizer()
+    proxy = tiny_model("llama", num_hidden_layers=2, num_key_value_heads=1, seed=3)
+    inputs = random_prompt(2, 40, lengths=[40, 30], seed=1)
+    scorer = KVzipIAMScorer(tok, proxy=proxy, chunk_size=32)
+    cache = ProxyKVCache(scorer, keep_ratio=0.3)
+    target.generate(**inputs, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert scorer.layer_map == [0, 0, 0, 1, 1, 1]  # ceil(l * 2 / 6) - 1
+    assert scorer.head_map == [[0, 0]] * 6  # two target KV heads read the proxy's single KV head
+    assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 2] * 6
+    # the kept set is the Top-K of the proxy's KVzip scores of the aligned layer
+    y = kvzip_scores(proxy, inputs["input_ids"], inputs["attention_mask"], tokenizer=tok, chunk_size=32)
+    from proxykv_hf.selection import select_topk
+
+    idx, _ = select_topk(y[1][:, [0, 0]], 0.3, inputs["attention_mask"].bool(), n_sink=4)
+    assert torch.equal(idx, cache.layers[5].kept_positions)
+
+
+def test_calibration_recovers_a_known_alignment(target):
+    """With the target itself as proxy, each layer and head aligns to itself."""
+    tok = tiny_tokenizer()
+    inputs = random_prompt(2, 36, seed=2)
+    scorer = KVzipIAMScorer(tok, proxy=target, chunk_size=64).calibrate(target, **inputs)
+    assert scorer.layer_map == list(range(6))
+    assert scorer.head_map == [[0, 1]] * 6
+
+
+def test_layer_subset_is_renumbered_and_shares_weights(target):
+    sub = layer_subset(target, [1, 3, 5])
+    assert [layer.self_attn.layer_idx for layer in sub.layers] == [0, 1, 2]
+    assert [layer.self_attn.layer_idx for layer in target.model.layers] == list(range(6))
+    assert sub.layers[1].self_attn.q_proj.weight is target.model.layers[3].self_attn.q_proj.weight
+    x = proxy_features(target, **random_prompt(1, 12), layers=[1, 3, 5])
+    assert x.shape == (1, 3, 4, 12)
+    with pytest.raises(ValueError, match="increasing"):
+        layer_subset(target, [3, 1])
+    with pytest.raises(ValueError, match="out of range"):
+        layer_subset(target, [0, 9])
