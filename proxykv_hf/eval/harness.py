@@ -115,6 +115,19 @@ def fidelity(scores: dict[int, torch.Tensor], oracle: dict[int, torch.Tensor], v
     return {"topk_recall": float(torch.cat(recall).mean()), "mass_recovery": float(torch.cat(mass).mean())}
 
 
+def _save_scores(path: Path, scores: dict[int, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({str(i): s.contiguous() for i, s in scores.items()}, str(path))
+
+
+def _load_scores(path: Path) -> dict[int, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {int(k): v for k, v in load_file(str(path)).items()}
+
+
 class Harness:
     """Runs an :class:`EvalConfig` on a model and tokenizer; see :func:`run_eval`."""
 
@@ -188,7 +201,8 @@ class Harness:
         cfg = self.config
         ctx, q = self._ids(sample)
         valid = torch.ones(1, ctx.shape[1], dtype=torch.bool)
-        oracle = None
+        oracle_path = self.out / "oracle" / f"{task}-{length}-{idx}.safetensors"
+        oracle = _load_scores(oracle_path) if oracle_path.exists() else None
         order = sorted(cfg.methods, key=lambda m: m != "kvzip")  # the oracle first, for fidelity
         for method in order:
             ratios = [1.0] if method == "full" else cfg.keep_ratios
@@ -202,6 +216,7 @@ class Harness:
                 scores = {i: s.cpu() for i, s in base.scores.items()}
                 if method == "kvzip":
                     oracle = scores
+                    _save_scores(oracle_path, scores)  # later runs (other methods) reuse it for fidelity
             for ratio in todo:
                 if cfg.protocol == "query-agnostic":
                     cache = base if method == "full" else base.compacted_copy(ratio)
