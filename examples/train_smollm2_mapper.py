@@ -25,6 +25,26 @@ from proxykv_hf.train import DataConfig, TrainConfig, build_dataset, mapper_conf
 HELD_OUT = ("vt", "qa")
 
 
+def _stored_y(data_dir: Path) -> list[torch.Tensor]:
+    """Per text (in build order), the full oracle Y `(L, H_kv, T)` reassembled from a dataset's crops."""
+    from safetensors import safe_open
+
+    crops: dict[int, list] = {}
+    for shard in sorted(data_dir.glob("shard-*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            y, text, start, length = (f.get_tensor(k) for k in ("y", "text", "start", "length"))
+        for i in range(len(text)):
+            crops.setdefault(int(text[i]), []).append((int(start[i]), int(length[i]), y[i]))
+    out = []
+    for t in sorted(crops):
+        T = max(s + n for s, n, _ in crops[t])
+        full = torch.zeros(crops[t][0][2].shape[0], crops[t][0][2].shape[1], T)
+        for s, n, y in crops[t]:
+            full[:, :, s:s + n] = y[:, :, :n].float()
+        out.append(full)
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/smollm2")
@@ -34,6 +54,9 @@ def main(argv=None) -> None:
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--kinds", nargs="+", default=["self", "layers"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--mapper-crop", type=int, default=512, help="the mapper encoder's window (memory ~ window^2)")
+    p.add_argument("--reuse-y", default=None, help="a dataset built before from the same texts: take Y from it")
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = Path(ns.out)
@@ -42,10 +65,18 @@ def main(argv=None) -> None:
     texts = list(texts_from_tasks(tasks, ns.n_per_task, ns.tokens, tok, seed=ns.seed))
     memo: dict = {}
 
+    stored = _stored_y(Path(ns.reuse_y)) if ns.reuse_y else None
+
     def oracle(m, ids, mask, tokenizer=None, **kw):  # one KVzip pass per text, shared by both datasets
         key = ids.cpu().numpy().tobytes()
         if key not in memo:
-            memo[key] = kvzip_scores(m, ids, mask, tokenizer=tokenizer, **kw)
+            if stored is not None:  # texts come in the same order as when the stored dataset was built
+                y = stored[len(memo)]
+                if y.shape[-1] != ids.shape[-1]:
+                    raise ValueError("--reuse-y dataset was built from other texts")
+                memo[key] = y[:, None]  # (L, 1, H_kv, T)
+            else:
+                memo[key] = kvzip_scores(m, ids, mask, tokenizer=tokenizer, **kw)
         return memo[key]
 
     summary = {"train_tasks": tasks, "held_out_families": list(HELD_OUT), "texts": len(texts)}
@@ -56,8 +87,8 @@ def main(argv=None) -> None:
         manifest = build_dataset(texts, model, tok, out / f"data-{kind}", cfg, oracle=oracle)
         summary[f"data_{kind}_s"] = round(time.time() - t0, 1)
         summary[f"data_{kind}"] = manifest.summary()
-        mcfg = mapper_config_for(out / f"data-{kind}", "small", crop_len=ns.crop_len, stride=ns.crop_len // 2)
-        tcfg = TrainConfig(epochs=ns.epochs, warmup_steps=50, batch_size=8, seed=ns.seed, log_every=10)
+        mcfg = mapper_config_for(out / f"data-{kind}", "small", crop_len=ns.mapper_crop, stride=ns.mapper_crop // 2)
+        tcfg = TrainConfig(epochs=ns.epochs, warmup_steps=50, batch_size=ns.batch_size, seed=ns.seed, log_every=10)
         t0 = time.time()
         ckpt = train_mapper(out / f"data-{kind}", out / f"mapper-{kind}", mcfg, tcfg)
         summary[f"train_{kind}_s"] = round(time.time() - t0, 1)

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-BUNDLED_MAPPER = Path(__file__).parent / "checkpoints" / "smollm2-135m-instruct"
+from .hub import BUNDLED_DIR, BUNDLED_MAPPER as _BUNDLED_NAME
+
+BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
 
 
 # ------------------------------------------------------------------------------------------------ helpers

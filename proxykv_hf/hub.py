@@ -24,6 +24,8 @@ from .proxy import ProxySpec
 
 logger = logging.getLogger(__name__)
 
+BUNDLED_DIR = Path(__file__).parent / "checkpoints"
+BUNDLED_MAPPER = "proxykv-smollm2-135m-instruct"  # shipped with the package, for the bundled SmolLM2 target
 CONFIG_NAME = "proxykv_config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
@@ -121,10 +123,13 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
 
 def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, cache_dir=None, token=None,
             local_files_only: bool | None = None) -> Path:
-    """A local directory, or a Hub repository downloaded through ``huggingface_hub`` (``HF_HUB_OFFLINE`` honoured)."""
+    """A local directory, a checkpoint bundled with the package (by name, e.g. ``"proxykv-smollm2-135m-instruct"``),
+    or a Hub repository downloaded through ``huggingface_hub`` (``HF_HUB_OFFLINE`` honoured)."""
     path = Path(name_or_path)
     if path.is_dir():
         return path
+    if (BUNDLED_DIR / str(name_or_path)).is_dir():  # a checkpoint shipped inside the package, by name
+        return BUNDLED_DIR / str(name_or_path)
     if path.exists():
         raise ValueError(f"{name_or_path!r} is a file; a mapper checkpoint is a directory or a Hub repository id")
     from huggingface_hub import constants, snapshot_download
