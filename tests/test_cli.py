@@ -84,3 +84,13 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     snap = [r for r in records if r["method"] == "snapkv"]
     assert len(snap) == 1 and 0 <= snap[0]["topk_recall"] <= 1 and 0 < snap[0]["mass_recovery"] <= 1
+
+
+def test_eval_generate_protocol(tmp_path):
+    out = tmp_path / "gen"
+    main(["eval", "--tiny", "--protocol", "generate", "--methods", "full", "snapkv", "--keep-ratios", "0.5",
+          "--tasks", "niah_single_1", "--context-lengths", "300", "--n-samples", "1", "--max-new-tokens", "2",
+          "--out-dir", str(out)])
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["protocol"]) for r in records] == [("full", "generate"), ("snapkv", "generate")]
+    assert records[1]["kv_bytes"] < records[0]["kv_bytes"]
