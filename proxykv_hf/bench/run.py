@@ -4,7 +4,8 @@
 TTFT is prefill + scoring + compaction (one forward over the prompt with the method's cache), the median of
 ``repeats`` runs after a warm-up. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
 the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
-(``/proc/self/statm``). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction.
+(``/proc/self/statm``) above the level at entry, after ``malloc_trim`` (still approximate: the allocator may
+reuse memory it kept). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class BenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
 
+def _trim_heap() -> None:
+    """glibc ``malloc_trim(0)``: return free heap pages to the OS (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakMemory:
     """Peak memory (bytes) above the level at entry: CUDA allocator peak, or sampled RSS on CPU."""
 
@@ -81,6 +92,7 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            _trim_heap()  # hand memory freed by earlier runs back to the OS, or the RSS would not grow
             self._base = self._max = self._rss()
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._poll, daemon=True)
