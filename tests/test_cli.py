@@ -8,12 +8,7 @@ import torch
 from proxykv_hf.cli import main
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_eval_tiny(tmp_path, capsys):

@@ -20,14 +20,7 @@ LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 TINY_POSTFIX = "</s>\n<s>assistant\n"  # end of the user turn + assistant header in testing.CHAT_TEMPLATE
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models and a naive reference made of thousands of tiny ops: thread hand-offs would dominate, badly so on
-    a busy machine (7 s instead of 0.2 s for one naive run on 2 shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

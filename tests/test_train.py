@@ -24,13 +24,7 @@ from proxykv_hf.train.loop import read_log
 WORDS = "alpha beta gamma delta key value cache token needle haystack the of and river stone".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: thread hand-offs cost more than they save on 2 busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
