@@ -301,8 +301,12 @@ class ProxyKVCache(DynamicCache):
             self._adopt_layers()
 
     def compactable_layers(self) -> list[int]:
-        """Indices of the full-attention layers that ProxyKV compacts."""
-        return [i for i, layer in enumerate(self.layers) if isinstance(layer, ProxyKVLayer)]
+        """Indices of the full-attention layers that ProxyKV compacts (memoised: asked on every update)."""
+        memo = getattr(self, "_compactable", None)
+        if memo is None or memo[0] is not self.layers or memo[1] != len(self.layers):
+            idx = [i for i, layer in enumerate(self.layers) if isinstance(layer, ProxyKVLayer)]
+            memo = self._compactable = (self.layers, len(self.layers), idx)
+        return memo[2]
 
     def _clear_state(self) -> None:
         self.prompt: Prompt | None = None

@@ -179,10 +179,35 @@ def cmd_train(ns) -> int:
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
     cfg = from_args(TrainConfig, ns)
-    mapper_cfg = mapper_config_for(ns.data, ns.preset)
+    mapper_cfg = mapper_config_for(ns.data, ns.preset, **_mapper_overrides(ns.mapper))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
     return 0
+
+
+def _mapper_overrides(items: list[str]) -> dict:
+    """``["d_time=64", "dropout=0"]`` -> typed MapperConfig overrides; unknown fields and bad values raise."""
+    import dataclasses
+
+    from .mapper import MapperConfig
+
+    types = {f.name: f.type for f in dataclasses.fields(MapperConfig)}
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"--mapper expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
+        kind = types[key] if isinstance(types[key], str) else types[key].__name__
+        try:
+            if kind == "bool":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                out[key] = value.lower() in ("true", "1")
+            else:
+                out[key] = {"int": int, "float": float}.get(kind, str)(value)
+        except ValueError:
+            raise SystemExit(f"--mapper {key}: {value!r} is not a valid {kind}") from None
+    return out
 
 
 def cmd_bench(ns) -> int:
@@ -249,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"])
+    p.add_argument("--mapper", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="override MapperConfig fields of the preset, e.g. crop_len=512 stride=256 dropout=0")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")

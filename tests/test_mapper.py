@@ -128,6 +128,19 @@ def test_forward_reuses_paired_proxy_layer_and_matches_forward_layer():
     assert torch.equal(out[:, 0], out[:, 1]) and not torch.equal(out[:, 1], out[:, 2])
 
 
+@pytest.mark.parametrize("layer_embedding", [False, True])
+def test_forward_on_a_subset_of_target_layers(layer_embedding):
+    m = tiny(num_proxy_layers=2, num_target_layers=4, layer_embedding=layer_embedding)
+    x = torch.rand(2, 2, 2, 24)
+    with torch.no_grad():
+        full = m(x)
+        for layers in ([3], [2, 0], [1, 1, 3]):
+            torch.testing.assert_close(m(x, target_layers=layers), full[:, layers])
+    for bad in ([], [4], [-1]):
+        with pytest.raises(ValueError, match="target_layers"):
+            m(x, target_layers=bad)
+
+
 def test_layer_embedding_separates_paired_layers():
     m = tiny(num_proxy_layers=2, num_target_layers=4, layer_embedding=True)
     with torch.no_grad():

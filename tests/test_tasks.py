@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.eval import tasks as T
+from proxykv_hf.eval import prompts
 from proxykv_hf.eval.metrics import score_sample, string_match_all, string_match_part
 from proxykv_hf.eval.tasks import (TASK_FAMILIES, TASKS, Sample, build_prompt, encode_sample, family_of, generate,
                                    prompt_texts)
@@ -226,7 +226,7 @@ def test_split_falls_back_to_token_offsets():
     with pytest.raises(ValueError, match="encode_sample"):
         prompt_texts(s, tok)
     ctx, q = encode_sample(s, tok)
-    assert ctx + q == tok.encode(T._full_text(s, tok)[0])
+    assert ctx + q == tok.encode(prompts._full_text(s, tok)[0])
     assert TOK.decode(ctx[1:]).endswith(s.context) and TOK.decode(q).startswith("\n\n" + s.question)
 
 

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from proxykv_hf import ProxyKVCache
 from proxykv_hf.hub import load_checkpoint
+from proxykv_hf.mapper import HybridAxialMapper
 from proxykv_hf.proxy import proxy_features
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 from proxykv_hf.train import (DataConfig, Manifest, MapperDataset, TrainConfig, build_dataset, crop_starts,
@@ -260,6 +261,26 @@ def test_loss_decreases(self_data, tmp_path):
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < 0.6 * first, (first, last)
+
+
+def test_layers_per_step_trains_on_a_random_subset(self_data, tmp_path, monkeypatch):
+    mcfg = mapper_config_for(self_data, "tiny")
+    seen = []
+    original = HybridAxialMapper.forward
+
+    def spy(self, x, attention_mask=None, target_layers=None):
+        out = original(self, x, attention_mask, target_layers)
+        if self.training:
+            seen.append((target_layers, out.shape[1]))
+        return out
+
+    monkeypatch.setattr(HybridAxialMapper, "forward", spy)
+    ckpt = train_mapper(self_data, tmp_path, mcfg, fast_train(max_steps=6, layers_per_step=2))
+    assert len(seen) == 6 and all(len(l) == 2 == n and l == sorted(set(l)) for l, n in seen)
+    assert len({tuple(l) for l, _ in seen}) > 1  # drawn anew each step
+    assert math.isfinite(ckpt.metrics["loss"])  # validation scores every layer
+    with pytest.raises(ValueError, match="layers_per_step"):
+        fast_train(layers_per_step=0)
 
 
 # ------------------------------------------------------------------------------------------------ sources, oracle

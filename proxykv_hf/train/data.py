@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.utils.data import Dataset, Subset
 
+from .._fields import check_known_fields
 from ..hub import TargetSpec
 from ..mapper import window_starts
 from ..proxy import PROXY_KINDS, ProxySpec, every_kth_layer, proxy_features
@@ -137,9 +138,7 @@ class DataConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown DataConfig fields: {unknown}")
+        check_known_fields(cls, data)
         data = dict(data)
         if data.get("proxy_layers") is not None:
             data["proxy_layers"] = tuple(data["proxy_layers"])

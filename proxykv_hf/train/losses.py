@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from proxykv_hf.train.metrics import expand_mask, order_desc, topk_count
+from .._fields import check_known_fields
+from .metrics import expand_mask, order_desc, topk_count
 
 COS_INPUTS = ("sigmoid", "logits")
 TERMS = ("bin", "mse", "fine", "global", "cos")
@@ -90,9 +91,7 @@ class LossConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LossConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
-        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown LossConfig fields: {unknown}")
+        check_known_fields(cls, data)
         return cls(**data)
 
 
