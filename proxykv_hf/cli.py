@@ -179,7 +179,7 @@ def cmd_train(ns) -> int:
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
     cfg = from_args(TrainConfig, ns)
-    mapper_cfg = mapper_config_for(ns.data, ns.preset, **_mapper_overrides(ns.mapper))
+    mapper_cfg = mapper_config_for(ns.data, ns.preset, **_mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
     return 0
@@ -196,7 +196,8 @@ def _mapper_overrides(items: list[str]) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in types:
-            raise SystemExit(f"--mapper expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
+            raise SystemExit(f"--mapper-config expects FIELD=VALUE with FIELD one of {sorted(types)}, "
+                             f"got {item!r}")
         kind = types[key] if isinstance(types[key], str) else types[key].__name__
         try:
             if kind == "bool":
@@ -206,7 +207,7 @@ def _mapper_overrides(items: list[str]) -> dict:
             else:
                 out[key] = {"int": int, "float": float}.get(kind, str)(value)
         except ValueError:
-            raise SystemExit(f"--mapper {key}: {value!r} is not a valid {kind}") from None
+            raise SystemExit(f"--mapper-config {key}: {value!r} is not a valid {kind}") from None
     return out
 
 
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"])
-    p.add_argument("--mapper", nargs="*", default=[], metavar="FIELD=VALUE",
+    p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override MapperConfig fields of the preset, e.g. crop_len=512 stride=256 dropout=0")
     p.set_defaults(fn=cmd_train)
 

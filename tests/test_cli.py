@@ -63,15 +63,16 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
           "--crop-len", "64", "--stride", "32", "--out", str(data)])
     main(["train", "--data", str(data), "--out", str(mapper), "--preset", "tiny", "--epochs", "1",
           "--warmup-steps", "2", "--batch-size", "4", "--no-progress", "--layers-per-step", "2",
-          "--mapper", "d_time=16", "num_encoder_heads=2", "conv_stem=false"])
+          "--mapper-config", "d_time=16", "num_encoder_heads=2", "conv_stem=false"])
     from proxykv_hf import ProxyKVCache
 
     cache = ProxyKVCache.from_pretrained(mapper, keep_ratio=0.5)
     assert cache.scorer.checkpoint.target.num_layers == 4
     assert cache.scorer.mapper.config.d_time == 16 and cache.scorer.mapper.config.conv_stem is False
     for bad in (["d_time"], ["width=3"], ["d_time=wide"], ["conv_stem=maybe"]):
-        with pytest.raises(SystemExit, match="--mapper"):
-            main(["train", "--data", str(data), "--out", str(tmp_path / "x"), "--preset", "tiny", "--mapper", *bad])
+        with pytest.raises(SystemExit, match="--mapper-config"):
+            main(["train", "--data", str(data), "--out", str(tmp_path / "x"), "--preset", "tiny",
+                  "--mapper-config", *bad])
 
 
 def test_eval_adds_methods_later_with_fidelity(tmp_path):

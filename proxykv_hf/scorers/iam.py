@@ -75,7 +75,8 @@ class KVzipIAMScorer(Scorer):
         self.head_map = [[h * h_proxy // h_target for h in range(h_target)] for _ in range(n_target)]
 
     @torch.no_grad()
-    def calibrate(self, target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "KVzipIAMScorer":
+    def calibrate(self, target, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> "KVzipIAMScorer":
         """Fix the alignment from calibration prompts: KVzip on target and proxy, best-correlated layer and head."""
         y_t = kvzip_scores(target, input_ids, attention_mask, tokenizer=self.tokenizer, chunk_size=self.chunk_size,
                            n_sink=self.n_sink)[full_attention_layers(target)]  # (L_t, B, H_t, T)
