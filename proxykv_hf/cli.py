@@ -157,7 +157,7 @@ def cmd_build_data(ns) -> int:
     from .train.data import DataConfig, build_dataset, texts_from_files, texts_from_tasks
 
     model, tok = load(ns)
-    cfg = from_args(DataConfig, ns)
+    cfg = from_args(DataConfig, ns, dtype=ns.storage_dtype)  # --dtype is the model's
     texts = []
     if ns.tasks:
         texts += texts_from_tasks(ns.tasks, ns.n_per_task, ns.tokens, tok, seed=ns.seed)
@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards")
     _common(p)
     add_dataclass_args(p, DataConfig, skip=("oracle_kwargs", "dtype"))
+    p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
+                   help="dtype of the stored features and scores (--dtype is the model's)")
     p.add_argument("--tasks", nargs="*", default=[])
     p.add_argument("--files", nargs="*", default=[])
     p.add_argument("--n-per-task", type=int, default=10)

@@ -61,6 +61,8 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
     data, mapper = tmp_path / "data", tmp_path / "mapper"
     main(["build-data", "--tiny", "--tasks", "niah_single_1", "--n-per-task", "2", "--tokens", "250",
           "--crop-len", "64", "--stride", "32", "--out", str(data)])
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["data_config"]["dtype"] == "float16"  # the storage dtype, not the model's --dtype
     main(["train", "--data", str(data), "--out", str(mapper), "--preset", "tiny", "--epochs", "1",
           "--warmup-steps", "2", "--batch-size", "4", "--no-progress", "--layers-per-step", "2",
           "--mapper-config", "d_time=16", "num_encoder_heads=2", "conv_stem=false"])

@@ -283,6 +283,20 @@ def test_layers_per_step_trains_on_a_random_subset(self_data, tmp_path, monkeypa
         fast_train(layers_per_step=0)
 
 
+def test_init_from_starts_at_a_checkpoints_weights(self_data, tmp_path):
+    mcfg = mapper_config_for(self_data, "tiny")
+    first = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=3))
+    again = train_mapper(self_data, tmp_path / "b", mcfg,
+                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
+    for (name, p), q in zip(first.mapper.named_parameters(), again.mapper.parameters()):
+        torch.testing.assert_close(p, q, msg=name)  # lr 0: the weights it started from
+    fresh = train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, lr=0.0))
+    assert not all(torch.equal(p, q) for p, q in zip(first.mapper.parameters(), fresh.mapper.parameters()))
+    with pytest.raises(ValueError, match="another mapper config"):
+        train_mapper(self_data, tmp_path / "d", mapper_config_for(self_data, "tiny", d_time=16),
+                     fast_train(max_steps=1, init_from=str(tmp_path / "a")))
+
+
 # ------------------------------------------------------------------------------------------------ sources, oracle
 def test_texts_from_files(tmp_path):
     (tmp_path / "a.txt").write_text("first doc\n\nsecond block\n")

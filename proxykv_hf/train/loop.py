@@ -72,6 +72,9 @@ class TrainConfig:
         eval_ratios: keep ratios of the validation mass recovery and Top-K recall.
         eval_batch_size: validation batch size (default ``batch_size``).
         loss: the hybrid loss coefficients.
+        init_from: start from the weights of this mapper checkpoint (directory or Hub id; fine-tuning on new
+            data); its mapper config must equal the one trained. Optimizer, schedule and step count start
+            fresh. Ignored when resuming a run from ``out_dir/last``.
         layers_per_step: train each step on this many target layers drawn at random (the mapper is shared by
             all layers, so this is an unbiased estimate of the full loss at a fraction of the cost; the
             validation always scores every layer); None = all layers.
@@ -98,6 +101,7 @@ class TrainConfig:
     eval_batch_size: int | None = None
     loss: LossConfig = field(default_factory=LossConfig)
     layers_per_step: int | None = None
+    init_from: str | None = None
     log_every: int = 50
     progress: bool = True
 
@@ -432,6 +436,13 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     mapper = HybridAxialMapper(mapper_config)
+    if cfg.init_from is not None:
+        start = load_checkpoint(cfg.init_from)
+        if start.mapper.config != mapper_config:
+            raise ValueError(f"init_from {cfg.init_from} holds another mapper config: {start.mapper.config} vs "
+                             f"{mapper_config}")
+        mapper.load_state_dict(start.mapper.state_dict())
+        logger.info("initialised the mapper from %s", cfg.init_from)
     optimizer = torch.optim.AdamW(mapper.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = EpochSampler(len(train_set), cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
