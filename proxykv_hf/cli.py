@@ -154,7 +154,7 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_build_data(ns) -> int:
-    from .train.data import DataConfig, build_dataset, texts_from_files, texts_from_tasks
+    from .train import DataConfig, build_dataset, texts_from_files, texts_from_tasks
 
     model, tok = load(ns)
     cfg = from_args(DataConfig, ns, dtype=ns.storage_dtype)  # --dtype is the model's

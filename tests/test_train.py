@@ -20,7 +20,7 @@ from proxykv_hf.train import (DataConfig, Manifest, MapperDataset, TrainConfig, 
                               mapper_config_for, split_dataset, texts_from_files, texts_from_hf_dataset,
                               train_mapper)
 from proxykv_hf.train.data import check_shared_tokenizer
-from proxykv_hf.train.loop import read_log
+from proxykv_hf.train.evaluate import read_log
 
 WORDS = "alpha beta gamma delta key value cache token needle haystack the of and river stone".split()
 

@@ -1,9 +1,12 @@
-"""Training tooling on top of the core: data building (:mod:`.data`), the hybrid loss (:mod:`.losses`), retention
-metrics (:mod:`.metrics`) and the training loop (:mod:`.loop`)."""
+"""Training tooling on top of the core: text sources (:mod:`.sources`), data building (:mod:`.data`), reading it
+back (:mod:`.dataset`), the hybrid loss (:mod:`.losses`), retention metrics (:mod:`.metrics`) and the training loop
+(:mod:`.loop`)."""
 
-from .data import (DataConfig, Manifest, MapperDataset, build_dataset, crop_starts, split_dataset, texts_from_files,
-                   texts_from_hf_dataset, texts_from_tasks)
-from .loop import TrainConfig, evaluate_mapper, mapper_config_for, plot_training, train_mapper
+from .data import DataConfig, Manifest, build_dataset, crop_starts
+from .dataset import MapperDataset, split_dataset
+from .evaluate import evaluate_mapper, plot_training
+from .loop import TrainConfig, mapper_config_for, train_mapper
+from .sources import texts_from_files, texts_from_hf_dataset, texts_from_tasks
 
 __all__ = [
     "DataConfig",

@@ -2,8 +2,8 @@
 
 How to run me (library; the CLI wraps it)::
 
-    from proxykv_hf.train.data import DataConfig, build_dataset, texts_from_tasks
-    manifest = build_dataset(texts_from_tasks(["niah", "squad"], 50, 4096, tok, seed=0), target, tok,
+    from proxykv_hf.train import DataConfig, build_dataset, texts_from_tasks
+    manifest = build_dataset(texts_from_tasks(["niah_single_2", "cwe"], 50, 4096, tok, seed=0), target, tok,
                              "data/smol", DataConfig(proxy_kind="layers", layer_stride=3))
 
 Per text (paper, "Training procedure"): one proxy forward gives ``X (L_s, H_s, N)`` and one teacher-forced oracle
@@ -20,23 +20,19 @@ the hashes of the texts it completed: an interrupted build resumes by skipping t
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
-from torch.utils.data import Dataset, Subset
 
 from .._fields import check_known_fields
 from ..hub import TargetSpec
@@ -528,145 +524,3 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
     logger.info("dataset %s: %d texts, %d tokens, %d crops in %d shards, %.1f MB", out, manifest.texts,
                 manifest.tokens, manifest.crops, len(manifest.shards), manifest.disk_bytes / 2**20)
     return manifest
-
-
-# ------------------------------------------------------------------------------------------------ text sources
-def texts_from_tasks(task_names: Sequence[str], n_per_task: int, target_tokens: int | Sequence[int], tokenizer,
-                     seed: int = 0) -> Iterator[dict]:
-    """Synthetic task samples (:func:`proxykv_hf.eval.tasks.generate`) as texts ``context + "\\n\\n" + question``.
-
-    Args:
-        task_names: names in ``proxykv_hf.eval.tasks.TASKS``.
-        n_per_task: samples per task and length.
-        target_tokens: context length(s) in tokens; a sequence gives ``n_per_task`` samples at each.
-        tokenizer: used by the generators to size contexts.
-        seed: base seed (each task and length gets its own derived seed).
-    """
-    from ..eval import tasks as task_lib
-
-    unknown = [t for t in task_names if t not in task_lib.TASKS]
-    if unknown:
-        raise ValueError(f"unknown tasks {unknown}; choose from {sorted(task_lib.TASKS)}")
-    lengths = [target_tokens] if isinstance(target_tokens, int) else list(target_tokens)
-    for t_i, task in enumerate(task_names):
-        for l_i, n_tok in enumerate(lengths):
-            samples = task_lib.generate(task, n_per_task, n_tok, tokenizer, seed + 1000 * t_i + l_i)
-            for s in samples:
-                yield {"text": f"{s.context}\n\n{s.question}", "source": task}
-
-
-def texts_from_files(paths: str | os.PathLike | Sequence[str | os.PathLike], *, split_paragraphs: bool = False,
-                     field: str = "text") -> Iterator[dict]:
-    """Texts from ``.txt`` files (one document per file, or per blank-line-separated block with
-    ``split_paragraphs``) and ``.jsonl`` files (the ``field`` of each line); directories are searched for both."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    files: list[Path] = []
-    for p in map(Path, paths):
-        files += sorted([*p.glob("*.txt"), *p.glob("*.jsonl")]) if p.is_dir() else [p]
-    for path in files:
-        if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if line.strip():
-                        record = json.loads(line)
-                        if field not in record:
-                            raise ValueError(f"{path}:{n} has no {field!r} field (keys {sorted(record)})")
-                        yield {"text": record[field], "source": path.stem}
-        elif path.suffix == ".txt":
-            text = path.read_text(encoding="utf-8")
-            blocks = [b.strip() for b in text.split("\n\n")] if split_paragraphs else [text.strip()]
-            yield from ({"text": b, "source": path.stem} for b in blocks if b)
-        else:
-            raise ValueError(f"unsupported file type {path.suffix!r} ({path}); use .txt or .jsonl")
-
-
-def texts_from_hf_dataset(name: str, split: str = "train", field: str = "text", n: int | None = None,
-                          **load_kwargs) -> Iterator[dict]:
-    """The ``field`` of the first ``n`` rows of a ``datasets`` dataset (streamed). Needs the ``datasets`` package."""
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError("texts_from_hf_dataset needs the optional 'datasets' package (pip install datasets); "
-                          "or save the texts as .jsonl and use texts_from_files") from err
-    ds = datasets.load_dataset(name, split=split, streaming=True, **load_kwargs)
-    for i, row in enumerate(ds):
-        if n is not None and i >= n:
-            break
-        yield {"text": row[field], "source": name}
-
-
-# ------------------------------------------------------------------------------------------------ reading
-class MapperDataset(Dataset):
-    """The crops of a dataset directory; items are ``{"x" (L_s, H_s, C), "y" (L_l, H_kv, C), "mask" (C,)}``
-    float32 / bool, read lazily from the safetensors shards (one row at a time, files memory-mapped)."""
-
-    def __init__(self, data_dir: str | os.PathLike):
-        self.root = Path(data_dir)
-        self.manifest = Manifest.load(self.root)
-        self.files = [s["file"] for s in self.manifest.shards]
-        counts = [s["crops"] for s in self.manifest.shards]
-        self.offsets = [0]
-        for c in counts:
-            self.offsets.append(self.offsets[-1] + c)
-        self._handles: dict[int, Any] = {}
-        self._text_ids: list[int] | None = None
-
-    def __len__(self) -> int:
-        return self.offsets[-1]
-
-    def __getstate__(self) -> dict:  # DataLoader workers reopen the files
-        return {**self.__dict__, "_handles": {}}
-
-    def _open(self, shard: int):
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.root / self.files[shard]), framework="pt")
-        return self._handles[shard]
-
-    def __getitem__(self, index: int) -> dict[str, Tensor]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"index {index} out of range for {len(self)} crops")
-        index %= len(self)
-        shard = bisect.bisect_right(self.offsets, index) - 1
-        row = index - self.offsets[shard]
-        f = self._open(shard)
-        get = lambda name: f.get_slice(name)[row:row + 1][0]  # noqa: E731
-        return {"x": get("x").float(), "y": get("y").float(), "mask": get("mask").bool()}
-
-    @property
-    def text_ids(self) -> list[int]:
-        """Per crop, the index of the text it came from (crops of one text overlap)."""
-        if self._text_ids is None:
-            self._text_ids = [int(t) for i in range(len(self.files)) for t in self._open(i).get_tensor("text")]
-        return self._text_ids
-
-
-def split_dataset(dataset: MapperDataset, val_fraction: float = 0.05, seed: int = 0, *,
-                  by_text: bool = True) -> tuple[Subset, Subset]:
-    """Deterministic disjoint ``(train, val)`` split with about ``val_fraction`` of the crops in ``val``.
-
-    With ``by_text`` whole texts go to one side (overlapping crops of one text would leak into validation):
-    texts are taken in a seeded random order until ``ceil(val_fraction * crops)`` crops are reached. Without
-    it, or with a single text, crops are split by a seeded permutation.
-    """
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
-    n = len(dataset)
-    n_val = min(n - 1, math.ceil(val_fraction * n - 1e-9)) if n > 1 else 0
-    gen = torch.Generator().manual_seed(seed)
-    text_ids = dataset.text_ids if by_text and hasattr(dataset, "text_ids") else None
-    if text_ids is not None and len(set(text_ids)) > 1 and n_val > 0:
-        groups: dict[int, list[int]] = {}
-        for i, t in enumerate(text_ids):
-            groups.setdefault(t, []).append(i)
-        keys = sorted(groups)
-        val: list[int] = []
-        for g in torch.randperm(len(keys), generator=gen).tolist():
-            if len(val) >= n_val:
-                break
-            if len(val) + len(groups[keys[g]]) < n:  # never leave train empty
-                val += groups[keys[g]]
-    else:
-        val = torch.randperm(n, generator=gen)[:n_val].tolist()
-    val_set = set(val)
-    return Subset(dataset, [i for i in range(n) if i not in val_set]), Subset(dataset, sorted(val))
