@@ -57,6 +57,27 @@ def test_bench_tiny(tmp_path, capsys):
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.md").exists()
 
 
+def test_bench_self_proxy_breakdown(tmp_path, capsys):
+    """A self-proxy mapper scores inside the target's prefill: its breakdown says so (no overlap to claim)."""
+    from proxykv_hf.hub import Checkpoint, save_checkpoint
+    from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+    from proxykv_hf.proxy import ProxySpec
+    from proxykv_hf.testing import tiny_model
+    from proxykv_hf.train.data import target_spec_of
+
+    model = tiny_model("llama", num_hidden_layers=4)  # the --tiny target
+    target = target_spec_of(model, "tiny")
+    spec = ProxySpec(kind="self", num_layers=target.num_layers, num_heads=target.num_heads)
+    cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=spec.num_heads,
+                            num_target_layers=target.num_layers, num_target_heads=target.num_kv_heads)
+    save_checkpoint(Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target), tmp_path / "m")
+    main(["bench", "--tiny", "--methods", "full", "proxykv", "--mapper", str(tmp_path / "m"), "--context-lengths",
+          "64", "--repeats", "1", "--decode-tokens", "0"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    b = [r for r in rows if r["method"] == "proxykv"][0]["breakdown"]
+    assert b["proxy_kind"] == "self" and b["overlap_fraction"] == 0.0 and b["proxy_s"] >= 0
+
+
 def test_build_data_and_train_tiny(tmp_path, capsys):
     data, mapper = tmp_path / "data", tmp_path / "mapper"
     main(["build-data", "--tiny", "--tasks", "niah_single_1", "--n-per-task", "2", "--tokens", "250",

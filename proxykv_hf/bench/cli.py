@@ -13,7 +13,8 @@ from .run import Bench, BenchConfig, plot, summary_json, table
 
 
 def _scorers(ns, model, tok, tmp: str):
-    """name -> scorer (None for the full cache), plus (runner, layers, mapper) for the ProxyKV breakdown."""
+    """name -> scorer (None for the full cache), plus (runner, layers, mapper, proxy kind) for the ProxyKV
+    breakdown."""
     from ..cache import ProxyKVCache
     from ..cli import _mapper_for
     from ..scorers import SnapKVScorer
@@ -38,7 +39,7 @@ def _scorers(ns, model, tok, tmp: str):
                                                   proxy_device=ns.device).scorer
             scorers[method] = scorer
             runner = scorer.proxy_model if scorer.spec.kind == "model" else model
-            parts = (runner, scorer.spec.layers, scorer.mapper)
+            parts = (runner, scorer.spec.layers, scorer.mapper, scorer.spec.kind)
     return scorers, parts
 
 
