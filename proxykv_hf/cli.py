@@ -148,7 +148,7 @@ def cmd_eval(ns) -> int:
         options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), seed=ns.seed,
                                 kvzip_chunk=ns.kvzip_chunk)
         out = run_eval(model, tok, cfg, options)
-    print(write_report(out))
+    print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
     return 0
 
@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     add_dataclass_args(p, EvalConfig)
     p.add_argument("--kvzip-chunk", type=int, default=2048)
+    p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
+                   help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)
 
     p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards")

@@ -110,6 +110,22 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path):
     assert len(snap) == 1 and 0 <= snap[0]["topk_recall"] <= 1 and 0 < snap[0]["mass_recovery"] <= 1
 
 
+def test_eval_report_splits_held_out_families(tmp_path):
+    out = tmp_path / "eval"
+    main(["eval", "--tiny", "--methods", "full", "kvzip", "snapkv", "--keep-ratios", "0.3", "--tasks",
+          "niah_single_1", "vt", "--context-lengths", "300", "--n-samples", "1", "--max-new-tokens", "2",
+          "--out-dir", str(out), "--kvzip-chunk", "128", "--held-out", "vt"])
+    text = (out / "results.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| snapkv | ")]
+    assert any("| trained families |" in r for r in rows) and any("| held-out (vt) |" in r for r in rows)
+    held = [r for r in rows if "held-out (vt)" in r][0]
+    assert held.count(" / ") == 2  # accuracy / top-K recall / mass
+    from proxykv_hf.eval.report import load_results, markdown
+
+    with pytest.raises(ValueError, match="unknown task families"):
+        markdown(load_results(out), held_out=["not-a-family"])
+
+
 def test_eval_generate_protocol(tmp_path):
     out = tmp_path / "gen"
     main(["eval", "--tiny", "--protocol", "generate", "--methods", "full", "snapkv", "--keep-ratios", "0.5",

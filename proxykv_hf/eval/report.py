@@ -33,8 +33,9 @@ def accuracy_table(records: list[dict]) -> dict:
     return table
 
 
-def markdown(records: list[dict]) -> str:
-    """Accuracy per method and keep ratio (mean over tasks, and per task), fidelity, ProxyKV / KVzip."""
+def markdown(records: list[dict], held_out: list[str] | tuple[str, ...] = ()) -> str:
+    """Accuracy per method and keep ratio (mean over tasks, and per task), fidelity, ProxyKV / KVzip; with
+    ``held_out`` task families (see ``eval.tasks.TASK_FAMILIES``), the same split into trained and held-out."""
     table = accuracy_table(records)
     methods = sorted({m for m, _ in table}, key=lambda m: (m != "full", m))
     ratios = sorted({r for m, r in table if m != "full"})
@@ -72,7 +73,45 @@ def markdown(records: list[dict]) -> str:
                 rs = [r for r in fid if r["method"] == m and r["keep_ratio"] == ratio]
                 cells.append(f"{_mean(r['topk_recall'] for r in rs):.3f} / {_mean(r['mass_recovery'] for r in rs):.3f}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    if held_out:
+        lines += held_out_section(records, held_out, ratios)
     return "\n".join(lines) + "\n"
+
+
+def held_out_section(records: list[dict], held_out, ratios: list[float]) -> list[str]:
+    """Markdown lines: accuracy and fidelity per method, split into trained and held-out task families."""
+    from .tasks import TASK_FAMILIES, family_of
+
+    bad = sorted(set(held_out) - set(TASK_FAMILIES))
+    if bad:
+        raise ValueError(f"unknown task families {bad}; choose from {', '.join(TASK_FAMILIES)}")
+    missing = sorted(set(held_out) - {family_of(r["task"]) for r in records})
+    if missing:
+        logger.warning("held-out families %s have no records in this run", missing)
+    name = f"held-out ({', '.join(held_out)})"
+    splits = {"trained families": [r for r in records if family_of(r["task"]) not in held_out],
+              name: [r for r in records if family_of(r["task"]) in held_out]}
+    lines = ["", f"Held-out task families ({', '.join(held_out)}: not in the mapper's training data). Accuracy % "
+             "(mean over tasks) / top-K recall / KVzip mass kept:", "",
+             "| method | split | " + " | ".join(f"rho={r}" for r in ratios) + " |",
+             "|---|---|" + "---|" * len(ratios)]
+    methods = sorted({r["method"] for r in records if r["method"] != "full"})
+    for m in methods:
+        for split, rs in splits.items():
+            if not rs:
+                continue
+            table = accuracy_table([r for r in rs if r["method"] == m])
+            cells = []
+            for ratio in ratios:
+                acc = table.get((m, ratio), {}).get("all", float("nan"))
+                fid = [r for r in rs if r["method"] == m and r["keep_ratio"] == ratio and "topk_recall" in r]
+                cell = f"{100 * acc:.1f}"
+                if fid and m != "kvzip":
+                    recall, mass = _mean(r["topk_recall"] for r in fid), _mean(r["mass_recovery"] for r in fid)
+                    cell += f" / {recall:.3f} / {mass:.3f}"
+                cells.append(cell)
+            lines.append(f"| {m} | {split} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(records: list[dict], path: str | Path) -> Path | None:
@@ -111,11 +150,11 @@ def plot(records: list[dict], path: str | Path) -> Path | None:
     return Path(path)
 
 
-def write_report(out_dir: str | Path) -> str:
+def write_report(out_dir: str | Path, held_out: list[str] | tuple[str, ...] = ()) -> str:
     """Write ``results.md`` and ``accuracy.png`` next to ``results.jsonl``; return the markdown."""
     out = Path(out_dir)
     records = load_results(out)
-    text = markdown(records)
+    text = markdown(records, held_out)
     (out / "results.md").write_text(text)
     plot(records, out / "accuracy.png")
     return text
