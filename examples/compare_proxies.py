@@ -9,9 +9,11 @@ all context tokens; 0 = top, 0.5 = chance):
 * ``self``: the target's own prefill attention sums (30 layers x 9 heads);
 * ``layers``: attention sums of the layer-subset proxy, every 3rd decoder layer of the target run as a
   10-layer network on the same weights;
-* ``kvzip``: the KVzip oracle the mapper is trained to imitate (30 layers x 3 KV heads).
+* ``kvzip``: the KVzip oracle the mapper is trained to imitate (30 layers x 3 KV heads);
+* ``mapper``: the shipped mapper's scores from the self features (30 layers x 3 KV heads).
 
-For the proxies, the best head of each layer is taken (the mapper can pick heads); "best layer" is the most
+For the proxies' raw features the best head of each layer is taken (a mapper can pick heads); for KVzip and the
+mapper, which score the 3 KV heads the cache selects on, the mean over heads. "best layer" is the most
 needle-focused layer, "median layer" the typical one. A mapper can only recover from its features what they hold.
 """
 
@@ -23,6 +25,7 @@ import statistics
 import torch
 
 from proxykv_hf.eval import tasks as task_lib
+from proxykv_hf.hub import BUNDLED_MAPPER, load_checkpoint
 from proxykv_hf.models import load_model_and_tokenizer
 from proxykv_hf.proxy import every_kth_layer, proxy_features
 from proxykv_hf.scorers.kvzip import kvzip_scores
@@ -52,7 +55,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=100)
     ns = p.parse_args(argv)
     model, tok = load_model_and_tokenizer()
-    rows: dict[str, list[tuple[float, float]]] = {"self": [], "layers": [], "kvzip": []}
+    mapper = load_checkpoint(BUNDLED_MAPPER).mapper
+    rows: dict[str, list[tuple[float, float]]] = {"self": [], "layers": [], "kvzip": [], "mapper": []}
     for sample in task_lib.generate(ns.task, ns.n_samples, ns.tokens, tok, ns.seed):
         ids, pos = needle_positions(sample, tok)
         sources = {
@@ -60,9 +64,11 @@ def main(argv=None) -> None:
             "layers": proxy_features(model, ids, layers=every_kth_layer(model.config.num_hidden_layers, 3))[0],
             "kvzip": kvzip_scores(model, ids, tokenizer=tok)[:, 0],  # (30, 3, N)
         }
+        with torch.no_grad():
+            sources["mapper"] = mapper(sources["self"][None])[0]  # (30, 3, N)
         for name, scores in sources.items():
             per_head = rank_percentile(scores.float(), pos)  # (L, H)
-            per_layer = per_head.mean(-1) if name == "kvzip" else per_head.min(-1).values  # (L,)
+            per_layer = per_head.min(-1).values if name in ("self", "layers") else per_head.mean(-1)  # (L,)
             rows[name].append((float(per_layer.min()), float(per_layer.median())))
     print(f"{ns.task}, {ns.n_samples} samples of ~{ns.tokens} tokens, seed {ns.seed}: rank percentile of the needle "
           "(0 = top, 0.5 = chance)")
