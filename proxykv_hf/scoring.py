@@ -14,9 +14,10 @@ _REDUCTIONS = ("none", "mean", "sum", "max")
 
 
 def _chunk_bias(
-    attention_mask: torch.Tensor | None, q0: int, q1: int, Q: int, T: int, device: torch.device
+    attention_mask: torch.Tensor | None, q0: int, q1: int, Q: int, T: int, device: torch.device, t_end: int
 ) -> torch.Tensor:
-    """Additive float bias `(B or 1, 1, C, T)` for query rows ``q0:q1`` (0 = visible, -inf = hidden).
+    """Additive float bias `(B or 1, 1, C, t_end)` for query rows ``q0:q1`` over keys ``:t_end`` (0 = visible,
+    -inf = hidden).
 
     ``attention_mask`` is what transformers hands to an attention function: a bool mask (True = attend, sdpa), a
     float additive mask (eager) of shape `(B, 1, Q, T)`, or None, which means causal with the queries at the last
@@ -24,12 +25,24 @@ def _chunk_bias(
     """
     if attention_mask is None:
         qpos = torch.arange(q0, q1, device=device) + (T - Q)  # absolute position of each query, (C,)
-        hidden = torch.arange(T, device=device)[None, :] > qpos[:, None]  # (C, T)
-        return torch.zeros(1, 1, q1 - q0, T, device=device).masked_fill(hidden, float("-inf"))
-    m = attention_mask[:, :, q0:q1, :T]
+        hidden = torch.arange(t_end, device=device)[None, :] > qpos[:, None]  # (C, t_end)
+        return torch.zeros(1, 1, q1 - q0, t_end, device=device).masked_fill(hidden, float("-inf"))
+    m = attention_mask[:, :, q0:q1, :t_end]
     if m.dtype == torch.bool:
         return torch.zeros(m.shape, device=device).masked_fill(~m, float("-inf"))
     return m.float()
+
+
+def _hides_future(attention_mask: torch.Tensor | None, Q: int, T: int) -> bool:
+    """True when no query sees a key after its own position (queries at the last ``Q`` of ``T`` positions): then a
+    chunk of queries only needs the keys up to its last query. One check per call, not per chunk."""
+    if attention_mask is None:
+        return True
+    m = attention_mask[..., :T]
+    visible = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    qpos = torch.arange(Q, device=m.device) + (T - Q)
+    future = torch.arange(T, device=m.device)[None, :] > qpos[:, None]  # (Q, T)
+    return not bool((visible & future).any())
 
 
 def attention_sums(
@@ -70,16 +83,18 @@ def attention_sums(
     scaling = D**-0.5 if scaling is None else scaling
     k = key.float()
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
+    causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     for q0 in range(0, Q, chunk_size):
         q1 = min(q0 + chunk_size, Q)
+        t_end = min(T, q1 + T - Q) if causal else T
         q = query[:, :, q0:q1].float().view(B, H_kv, G, q1 - q0, D)  # (B, H_kv, G, C, D)
-        logits = torch.einsum("bhgcd,bhtd->bhgct", q, k) * scaling  # (B, H_kv, G, C, T)
-        bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device)  # (B|1, 1, C, T)
-        logits = logits + bias[:, :, None]  # broadcast over (H_kv, G)
+        logits = torch.einsum("bhgcd,bhtd->bhgct", q, k[:, :, :t_end]).mul_(scaling)  # (B, H_kv, G, C, t_end)
+        bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
+        logits.add_(bias[:, :, None])  # broadcast over (H_kv, G)
         probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows -> 0
         if query_valid is not None:
-            probs = probs * query_valid[:, None, None, q0:q1, None].to(probs.dtype)
-        out += probs.sum(dim=3)
+            probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
+        out[..., :t_end] += probs.sum(dim=3)
     if group_reduce == "none":
         return out.view(B, H, T)
     if group_reduce == "mean":

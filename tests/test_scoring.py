@@ -62,3 +62,26 @@ def test_bad_arguments():
         attention_sums(q, k)
     with pytest.raises(ValueError, match="group_reduce"):
         attention_sums(torch.randn(1, 2, 4, 2), k, group_reduce="median")
+
+
+def test_a_mask_that_shows_the_future_is_honoured():
+    """Causal masks let each query chunk skip later keys; a mask that shows later keys must not be truncated."""
+    from proxykv_hf.scoring import _hides_future
+
+    torch.manual_seed(2)
+    B, H, H_kv, T, D = 2, 4, 2, 12, 8
+    query, key = torch.randn(B, H, T, D), torch.randn(B, H_kv, T, D)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, :3] = False
+    both = valid[:, None, None, :].expand(B, 1, T, T)  # bidirectional over the real tokens
+    k = key.repeat_interleave(H // H_kv, dim=1)
+    logits = (query @ k.transpose(-1, -2) * 0.4).masked_fill(~both, float("-inf"))
+    ref = torch.softmax(logits, -1).sum(2)
+    for chunk in (1, 5, 12):
+        torch.testing.assert_close(attention_sums(query, key, both, 0.4, chunk_size=chunk), ref,
+                                   rtol=1e-5, atol=1e-5)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & both
+    assert _hides_future(causal, T, T) and _hides_future(None, T, T) and not _hides_future(both, T, T)
+    additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert _hides_future(additive, T, T)
+    assert _hides_future(causal[:, :, -4:], 4, T)  # the last 4 queries of a longer prompt
