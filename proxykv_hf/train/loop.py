@@ -351,7 +351,8 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     mapper = HybridAxialMapper(mapper_config)
-    if cfg.init_from is not None:
+    last = _find_last(out) if resume else None
+    if cfg.init_from is not None and last is None:  # a resumed run's own state wins
         start = load_checkpoint(cfg.init_from)
         if start.mapper.config != mapper_config:
             raise ValueError(f"init_from {cfg.init_from} holds another mapper config: {start.mapper.config} vs "
@@ -368,7 +369,6 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     unwrapped = accelerator.unwrap_model(model)
 
     state = _State()
-    last = _find_last(out) if resume else None
     if last is not None:
         state = _load_last(last, unwrapped, optimizer, scheduler, gen, mapper_config, cfg)
         logger.info("resuming %s at step %d (epoch %d, batch %d)", out, state.step, state.epoch, state.epoch_step)
