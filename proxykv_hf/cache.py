@@ -313,7 +313,9 @@ class ProxyKVCache(DynamicCache):
         self.slot_valid: torch.Tensor | None = None  # (B, K_max), False on spare slots of shorter rows
         self.scores: dict[int, torch.Tensor] = {}  # record_only: layer index -> (B, H_kv, T)
         self._k_max: int | None = None
+        self._k_row: torch.Tensor | None = None  # (B,) per-row budgets, on the CPU
         self._pending_all: list[int] = []
+        self._deferred: list[int] = []  # layers prefilled before the scorer's scores were ready
 
     def reset(self) -> None:
         """Empty the cache, forget the prompt; the next prefill is compressed again."""
@@ -372,8 +374,8 @@ class ProxyKVCache(DynamicCache):
                              "input_ids, or cache.prepare(model, input_ids, attention_mask)")
         self._layout_from(model)
         self.prompt = prompt
-        k_row = keep_counts(n_real, self.keep_ratio, self.n_sink + self.n_recent)
-        self._k_max = int(k_row.max())
+        k_row = keep_counts(n_real, self.keep_ratio, self.n_sink + self.n_recent).cpu()
+        self._k_row, self._k_max = k_row, int(k_row.max())
         if self.scorer is not None and (self._k_max < prompt.length or self.record_only):
             self.scorer.prepare(prompt)
 
@@ -432,10 +434,24 @@ class ProxyKVCache(DynamicCache):
             if self._all_layers_ready(layer_idx):
                 self._score_all()
             return
-        inputs = LayerInputs(layer_idx=layer_idx, keys=key[:, :, :T], values=value[:, :, :T], queries=query,
-                             attention_mask=attention_mask, scaling=scaling, prompt=self.prompt,
-                             compact_index=self.compactable_layers().index(layer_idx), module=module)
-        self._compact(layer_idx, self.scorer.score(inputs))
+        last = layer_idx == self.compactable_layers()[-1]
+        if self.scorer.ready() or last:
+            for i in self._deferred:  # scores computed beside the prefill are in: compact the layers that waited
+                self._compact(i, self.scorer.score(self._inputs(i, None, None, None, None, None, scaling)))
+            self._deferred = []
+        elif self.scorer.query_free:  # a side stream is still scoring: do not make this stream wait for it
+            self._deferred.append(layer_idx)
+            return
+        self._compact(layer_idx, self.scorer.score(self._inputs(layer_idx, module, query, key, value,
+                                                                attention_mask, scaling)))
+
+    def _inputs(self, layer_idx, module, query, key, value, attention_mask, scaling) -> LayerInputs:
+        layer, T = self.layers[layer_idx], self.prefill_length
+        key = layer.keys if key is None else key
+        value = layer.values if value is None else value
+        return LayerInputs(layer_idx=layer_idx, keys=key[:, :, :T], values=value[:, :, :T], queries=query,
+                           attention_mask=attention_mask, scaling=scaling, prompt=self.prompt,
+                           compact_index=self.compactable_layers().index(layer_idx), module=module)
 
     def _all_layers_ready(self, layer_idx: int) -> bool:
         """All compactable layers prefilled, and ``layer_idx`` is the model's last layer (Gemma3 can end with
@@ -459,9 +475,9 @@ class ProxyKVCache(DynamicCache):
             layer.compact(None)
             return
         indices, slot_valid = select_topk(scores, self.keep_ratio, self.prompt.valid.to(scores.device),
-                                          self.n_sink, self.n_recent)
+                                          self.n_sink, self.n_recent, k_row=self._k_row)
         layer.compact(indices)
-        if self.slot_valid is None and not bool(slot_valid.all()):
+        if self.slot_valid is None and bool((self._k_row < self._k_max).any()):  # on the CPU: no GPU sync
             self.slot_valid = slot_valid
 
     def _mask_spare_slots(self, attention_mask, q_len: int, kv_len: int):

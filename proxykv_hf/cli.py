@@ -288,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     add_dataclass_args(p, BenchConfig)
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
+    p.add_argument("--proxy-device", default=None, help="device of the proxy and mapper (e.g. cuda:1); default: "
+                   "the target's")
     p.add_argument("--out", default=None, help="directory for the table, plot and JSON")
     p.set_defaults(fn=cmd_bench)
     return parser

@@ -260,14 +260,16 @@ class HybridAxialMapper(nn.Module):
     Args:
         config: shapes and hyper-parameters.
         window_batch: encoder windows processed together at inference; bounds memory at long N.
+        layer_batch: proxy layers encoded together in eval mode (as extra batch rows).
     """
 
-    def __init__(self, config: MapperConfig, *, window_batch: int = 8) -> None:
+    def __init__(self, config: MapperConfig, *, window_batch: int = 8, layer_batch: int = 4) -> None:
         super().__init__()
-        if window_batch < 1:
-            raise ValueError(f"window_batch must be >= 1, got {window_batch}")
+        if window_batch < 1 or layer_batch < 1:
+            raise ValueError(f"window_batch and layer_batch must be >= 1, got {window_batch}, {layer_batch}")
         self.config = config
         self.window_batch = window_batch
+        self.layer_batch = layer_batch
         self.stem = ConvStem(config)
         self.time_encoder = TimeEncoder(config)
         self.head = HeadStage(config) if config.head_stage else nn.Linear(config.d_time, config.num_target_heads)
@@ -365,11 +367,20 @@ class HybridAxialMapper(nn.Module):
             raise ValueError(f"target_layers must be a non-empty list of indices in [0, {len(pairs)}), got "
                              f"{target_layers}")
         scores: dict[int, Tensor] = {}
-        for p in sorted({pairs[l] for l in wanted}):
-            z = self.encode(x[:, p], attention_mask)  # (B, N, d_time)
-            shared = None if self.layer_embedding is not None else self._head(z, 0)
-            for l in (l for l in dict.fromkeys(wanted) if pairs[l] == p):
-                scores[l] = self._head(z, l) if shared is None else shared
+        proxy_layers = sorted({pairs[l] for l in wanted})
+        # In eval mode (BatchNorm on running statistics, so rows are independent) several proxy layers share one
+        # pass through stages 1-2 as extra batch rows: fewer, larger kernels. Training keeps one layer per pass,
+        # so that BatchNorm's batch statistics stay those of one layer.
+        group = 1 if self.training else self.layer_batch
+        b = x.shape[0]
+        for g in range(0, len(proxy_layers), group):
+            ps = proxy_layers[g:g + group]
+            mask = None if attention_mask is None else attention_mask.repeat(len(ps), 1)
+            zs = self.encode(x[:, ps].transpose(0, 1).flatten(0, 1), mask).view(len(ps), b, x.shape[-1], -1)
+            for p, z in zip(ps, zs):  # z: (B, N, d_time)
+                shared = None if self.layer_embedding is not None else self._head(z, 0)
+                for l in (l for l in dict.fromkeys(wanted) if pairs[l] == p):
+                    scores[l] = self._head(z, l) if shared is None else shared
         return torch.stack([scores[l] for l in wanted], dim=1)  # (B, len(wanted), H_l, N)
 
     def _check(self, x: Tensor, ndim: int, attention_mask: Tensor | None) -> None:

@@ -3,14 +3,19 @@
 ``X[b, h, n] = sum_q softmax(Q K^T * scaling + mask)[b, h, q, n]``
 
 This is the proxy feature of the ProxyKV paper (one row per layer and query head) and the raw material of
-several scorers. Memory is ``O(B * H * chunk * T)``.
+several scorers. The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the
+causal unmasked case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never
+write the probabilities to memory.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import kernels
+
 _REDUCTIONS = ("none", "mean", "sum", "max")
+BACKENDS = ("auto", "torch", "triton")
 
 
 def _chunk_bias(
@@ -54,6 +59,7 @@ def attention_sums(
     query_valid: torch.Tensor | None = None,
     chunk_size: int = 256,
     group_reduce: str = "none",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Sum of softmax attention probabilities over queries, per head and key.
 
@@ -67,6 +73,8 @@ def attention_sums(
         chunk_size: queries per chunk.
         group_reduce: how the ``G = H // H_kv`` query heads of a KV head are combined: ``"none"`` returns
             `(B, H, T)`; ``"mean"``, ``"sum"`` or ``"max"`` return `(B, H_kv, T)`.
+        backend: ``"torch"`` (the reference), ``"triton"`` (fused kernels; needs ``attention_mask=None`` and a GPU
+            or Triton's interpreter) or ``"auto"``: Triton where it applies, else torch.
 
     Returns:
         float32 sums `(B, H, T)` or `(B, H_kv, T)`.
@@ -75,12 +83,20 @@ def attention_sums(
         raise ValueError(f"group_reduce must be one of {_REDUCTIONS}, got {group_reduce!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     B, H, Q, D = query.shape
     _, H_kv, T, _ = key.shape
     if H % H_kv:
         raise ValueError(f"query heads ({H}) must be a multiple of key heads ({H_kv})")
     G = H // H_kv
     scaling = D**-0.5 if scaling is None else scaling
+    fused = attention_mask is None and T >= Q and kernels.available(query)
+    if backend == "triton" and not fused:
+        raise ValueError("the triton backend needs attention_mask=None (causal), T >= Q, and a GPU with Triton")
+    if fused and backend != "torch":
+        return _reduce(kernels.causal_attention_sums(query, key, scaling, query_valid).view(B, H_kv, G, T),
+                       group_reduce)
     k = key.float()
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
@@ -95,8 +111,13 @@ def attention_sums(
         if query_valid is not None:
             probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
         out[..., :t_end] += probs.sum(dim=3)
+    return _reduce(out, group_reduce)
+
+
+def _reduce(out: torch.Tensor, group_reduce: str) -> torch.Tensor:
+    """`(B, H_kv, G, T)` -> `(B, H, T)` or the group reduced to `(B, H_kv, T)`."""
     if group_reduce == "none":
-        return out.view(B, H, T)
+        return out.flatten(1, 2)
     if group_reduce == "mean":
         return out.mean(dim=2)
     if group_reduce == "sum":

@@ -68,6 +68,8 @@ def select_topk(
     valid: torch.Tensor | None = None,
     n_sink: int = 0,
     n_recent: int = 0,
+    *,
+    k_row: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Head-wise Top-K of ``scores`` under the rules of this module.
 
@@ -77,6 +79,8 @@ def select_topk(
         valid: `(B, T)` bool, True for real tokens (left or right padding both work). None = all real.
         n_sink: always keep the first ``n_sink`` real tokens.
         n_recent: always keep the last ``n_recent`` real tokens.
+        k_row: `(B,)` the budgets :func:`keep_counts` gives for ``valid``, when the caller already has them on the
+            CPU (a cache computes them once per prompt): then nothing here waits for the GPU.
 
     Returns:
         indices: `(B, H_kv, K_max)` int64 positions into T. Per row, the spare slots (``K_max - K_row``) come first,
@@ -91,12 +95,14 @@ def select_topk(
     if valid is None:
         valid = torch.ones(B, T, dtype=torch.bool, device=scores.device)
     valid = valid.to(device=scores.device, dtype=torch.bool)
-    n_real = valid.sum(-1)  # (B,)
-    if bool((n_real == 0).any()):
-        rows = torch.nonzero(n_real == 0).flatten().tolist()
-        raise ValueError(f"batch rows {rows} contain only padding; nothing can be kept")
-    k_row = keep_counts(n_real, keep_ratio, n_sink + n_recent)  # (B,)
+    if k_row is None:
+        n_real = valid.sum(-1)  # (B,)
+        if bool((n_real == 0).any()):
+            rows = torch.nonzero(n_real == 0).flatten().tolist()
+            raise ValueError(f"batch rows {rows} contain only padding; nothing can be kept")
+        k_row = keep_counts(n_real, keep_ratio, n_sink + n_recent)  # (B,)
     k_max = int(k_row.max())
+    k_row = k_row.to(scores.device, non_blocking=True)
 
     # Rank key: protected first, then score, padding last; a stable sort keeps earlier positions first on ties.
     s = torch.nan_to_num(scores.float(), nan=-math.inf)

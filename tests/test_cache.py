@@ -318,3 +318,42 @@ def test_compacted_copy_equals_a_live_cache(family):
                                                                       torch.ones(2, 1, dtype=torch.long)], 1),
                              past_key_values=copy, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert torch.equal(out, live.sequences)
+
+
+class _LateScorer(RandomScorer):
+    """Query-free scores that only become ready after ``ready_after`` polls (a side stream still running)."""
+
+    query_free = True
+
+    def __init__(self, ready_after: int):
+        super().__init__(seed=4)
+        self.ready_after, self.polls, self.compacted_at_poll = ready_after, 0, []
+
+    def ready(self) -> bool:
+        self.polls += 1
+        return self.polls > self.ready_after
+
+
+@pytest.mark.parametrize("ready_after", [0, 1, 100])
+def test_query_free_scores_wait_without_blocking(ready_after):
+    """Layers prefilled before the scores are in are compacted later, with the same result as compacting at once."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    inputs = random_prompt(2, 40, lengths=[40, 31], seed=5)
+    ref_cache = ProxyKVCache(RandomScorer(seed=4), keep_ratio=0.3)
+    ref = greedy(model, inputs, ref_cache)
+    scorer = _LateScorer(ready_after)
+    seen = []
+    compact = ProxyKVLayer.compact
+    ProxyKVLayer.compact = lambda layer, idx: (seen.append(scorer.polls), compact(layer, idx))[1]
+    try:
+        cache = ProxyKVCache(scorer, keep_ratio=0.3)
+        out = greedy(model, inputs, cache)
+    finally:
+        ProxyKVLayer.compact = compact
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref_cache.layers, cache.layers):
+        assert torch.equal(a.kept_positions, b.kept_positions)
+    # the cache polls once per layer; a layer is compacted at the first poll that finds the scores ready, or at the
+    # last layer: ready at once -> each layer at its own poll; ready at the 2nd poll -> layer 0 waits for layer 1
+    expected = {0: [1, 2, 3, 4], 1: [2, 2, 3, 4], 100: [4, 4, 4, 4]}[ready_after]
+    assert seen == expected

@@ -227,6 +227,24 @@ def test_forward_encodes_each_distinct_proxy_layer_once(monkeypatch):
     m = tiny(num_proxy_layers=3, num_target_layers=8)
     calls = []
     encode = m.encode
-    monkeypatch.setattr(m, "encode", lambda x, mask=None: calls.append(1) or encode(x, mask))
-    m(torch.rand(1, 3, 2, 10))
-    assert len(calls) == len(set(m.pairing())) == 3
+    monkeypatch.setattr(m, "encode", lambda x, mask=None: calls.append(x.shape[0]) or encode(x, mask))
+    m.train()(torch.rand(1, 3, 2, 10))
+    assert calls == [1] * len(set(m.pairing())) == [1, 1, 1]  # training: one layer per pass (BatchNorm statistics)
+    calls.clear()
+    m.eval()(torch.rand(1, 3, 2, 10))
+    assert calls == [3]  # eval: the three proxy layers as three batch rows of one pass
+
+
+def test_layer_batch_is_only_a_speed_setting():
+    """In eval mode, encoding several proxy layers as one batch gives the scores of one layer at a time."""
+    cfg = MapperConfig.tiny(num_proxy_layers=3, num_proxy_heads=4, num_target_layers=5, num_target_heads=2)
+    torch.manual_seed(0)
+    mapper = HybridAxialMapper(cfg).eval()
+    x, mask = torch.rand(2, 3, 4, 40), torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        mapper.layer_batch = 1
+        one = mapper(x, attention_mask=mask)
+        mapper.layer_batch = 3
+        torch.testing.assert_close(mapper(x, attention_mask=mask), one, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mapper(x), mapper(x, attention_mask=torch.ones(2, 40)), atol=1e-5, rtol=1e-5)

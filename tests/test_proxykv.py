@@ -111,10 +111,12 @@ def test_clear_errors(tmp_path, target, proxy):
     with pytest.raises(OSError, match="missing proxykv_config.json"):
         ProxyKVCache.from_pretrained(tmp_path / "empty")
     # proxy with another vocabulary (= another tokenizer)
-    other = tiny_model("llama", num_hidden_layers=2, vocab_size=300)
+    other = tiny_model("llama", num_hidden_layers=2, vocab_size=200)
     cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, proxy=other)
-    with pytest.raises(ValueError, match="share a tokenizer"):
-        target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    prompt = random_prompt(1, 20)
+    prompt["input_ids"][0, 5] = 250
+    with pytest.raises(ValueError, match=r"share a tokenizer: token id \d+ is outside the proxy.s vocabulary \(200 rows"):
+        target.generate(**prompt, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
     # proxy with another shape than the mapper was trained on
     with pytest.raises(ValueError, match="mapper expects"):
         ProxyKVCache.from_pretrained(path, proxy=tiny_model("llama", num_hidden_layers=3))

@@ -171,10 +171,12 @@ def test_build_resume_skips_done_texts(tmp_path, target, tok, texts):
 
 
 def test_mismatched_tokenizer_raises(tmp_path, target, tok, texts):
-    other = tiny_model("llama", num_hidden_layers=2, vocab_size=300)
-    cfg = data_config(proxy_kind="model", proxy_model_id="tiny-proxy-300", target_model_id="tiny-target")
-    with pytest.raises(ValueError, match=r"tiny-proxy-300.*tiny-target.*300 vs 272"):
+    other = tiny_model("llama", num_hidden_layers=2, vocab_size=200)
+    cfg = data_config(proxy_kind="model", proxy_model_id="tiny-proxy-200", target_model_id="tiny-target")
+    with pytest.raises(ValueError, match=r"tiny-proxy-200.*tiny-target.*cannot hold.*200 vs 272"):
         build_dataset(texts, target, tok, tmp_path, cfg, proxy=other, oracle=fake_oracle, progress=False)
+    wider = tiny_model("llama", num_hidden_layers=2, vocab_size=300)  # a padded table, same tokenizer: fine
+    check_shared_tokenizer(target, wider, tok, tiny_tokenizer())
     shared = tiny_model("llama", num_hidden_layers=2, seed=1)
     altered = tiny_tokenizer()
     altered.add_tokens(["alpha"])

@@ -36,7 +36,7 @@ def _scorers(ns, model, tok, tmp: str):
             if mapper is None:
                 raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
             scorer = ProxyKVCache.from_pretrained(mapper, proxy=getattr(ns, "_proxy_model", None),
-                                                  proxy_device=ns.device).scorer
+                                                  proxy_device=ns.proxy_device or ns.device).scorer
             scorers[method] = scorer
             runner = scorer.proxy_model if scorer.spec.kind == "model" else model
             parts = (runner, scorer.spec.layers, scorer.mapper, scorer.spec.kind)
@@ -54,7 +54,7 @@ def _shape_setup(ns, tmp: str):
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[ns.dtype]
     target = random_model(ns.shape, device=ns.device, dtype=dtype)
-    proxy = random_model(PAIRS[ns.shape], device=ns.device, dtype=dtype, seed=1)
+    proxy = random_model(PAIRS[ns.shape], device=ns.proxy_device or ns.device, dtype=dtype, seed=1)
     spec = ProxySpec(kind="model", num_layers=proxy.config.num_hidden_layers,
                      num_heads=proxy.config.num_attention_heads, model_id=PAIRS[ns.shape])
     tspec = target_spec_of(target, ns.shape)

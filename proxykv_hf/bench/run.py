@@ -6,6 +6,10 @@ TTFT is prefill + scoring + compaction (one forward over the prompt with the met
 the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
 (``/proc/self/statm``) above the level at entry, after ``malloc_trim`` (still approximate: the allocator may
 reuse memory it kept). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction.
+
+On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's: with torch 2.11 + CUDA
+13 on an H100, cuDNN attention spent ~2 ms of host time per call on one-token queries (a new plan for every new
+key length), which made an 8B model's decode host-bound at ~110 ms/token (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -131,6 +135,8 @@ class Bench:
         self.device = next(model.parameters()).device
         self.proxy_parts = proxy_parts  # (runner, layers, mapper) to time the ProxyKV breakdown
         self.vocab = model.config.vocab_size
+        if proxy_parts is not None:  # ids every model reads (Qwen2.5-1.5B's table is 128 rows shorter than 7B's)
+            self.vocab = min(self.vocab, getattr(getattr(proxy_parts[0], "config", None), "vocab_size", self.vocab))
 
     def _prompt(self, n: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.config.seed + n)
@@ -159,7 +165,13 @@ class Bench:
                                  device=self.device), use_cache=True)
                 tok = out.logits[:, -1:].argmax(-1)
 
-        _, seconds = timed(loop, self.device)
+        if self.device.type == "cuda":  # see the module docstring: no cuDNN attention in decode
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                _, seconds = timed(loop, self.device)
+        else:
+            _, seconds = timed(loop, self.device)
         return 1000 * seconds / max(1, self.config.decode_tokens)
 
     @torch.no_grad()
@@ -171,7 +183,9 @@ class Bench:
         x, t_proxy = timed(lambda: proxy_features(runner, ids, mask, layers=layers), self.device)
         if kind == "self":  # features come out of the target's own prefill: only the attention sums are extra
             t_proxy = max(0.0, t_proxy - plain_prefill_s)
-        _, t_mapper = timed(lambda: mapper(x.to(next(mapper.parameters()).device), attention_mask=mask), self.device)
+        dev = next(mapper.parameters()).device
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):  # as ProxyScorer runs it
+            _, t_mapper = timed(lambda: mapper(x.to(dev), attention_mask=mask.to(dev)), self.device)
         scores = torch.rand(1, full.layers[0].keys.shape[1], ids.shape[1], device=self.device)
 
         def compact():
@@ -193,10 +207,12 @@ class Bench:
             ids = self._prompt(n)
             base = {}
             for method in cfg.methods:
-                times = []
+                times, cache = [], None
                 for _ in range(cfg.repeats):
+                    cache = None  # free the last run's cache before the next prefill (16 GiB for an 8B at 128k)
                     cache, t = timed(lambda: self._prefill(method, ids), self.device)
                     times.append(t)
+                cache = None
                 with PeakMemory(self.device) as mem:
                     cache = self._prefill(method, ids)
                 row = {"context": n, "method": method, "keep_ratio": 1.0 if method == "full" else cfg.keep_ratio,

@@ -74,12 +74,15 @@ class Scorer:
         n_recent: last real tokens this method always keeps.
         needs_all_layers: call :meth:`score_all` once after the whole prefill instead of :meth:`score` per layer.
         needs_input_ids: the prompt's token ids are required.
+        query_free: :meth:`score` does not read the layer's queries, keys or values (scores computed elsewhere,
+            e.g. by a proxy on a side stream): the cache may then call it later, once :meth:`ready` says so.
     """
 
     n_sink: int = 0
     n_recent: int = 0
     needs_all_layers: bool = False
     needs_input_ids: bool = False
+    query_free: bool = False
 
     def fresh(self) -> "Scorer":
         """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""
@@ -87,6 +90,10 @@ class Scorer:
 
     def prepare(self, prompt: Prompt) -> None:
         """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""
+
+    def ready(self) -> bool:
+        """Whether :meth:`score` can run now without waiting on side work (checked without blocking)."""
+        return True
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         """Scores `(B, H_kv, T)` of one layer."""

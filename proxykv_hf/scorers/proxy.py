@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import torch
 
@@ -18,18 +19,30 @@ class ProxyScorer(Scorer):
     """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`).
 
     On the target's first prefill, :meth:`prepare` runs the proxy and the mapper; on CUDA they run on a side stream
-    (or on ``proxy_device``) while the target prefills, and each layer's Top-K waits on an event, not a device-wide
-    sync. With a ``"self"`` proxy the features are the target's own attention sums, mapped layer by layer.
+    (or on ``proxy_device``) while the target prefills. The cache compacts each layer as soon as the scores are in
+    (:meth:`ready` polls the side stream's event without blocking); layers prefilled before that are compacted
+    together at the end of the prefill, after the target's stream waits on the event (never a device-wide sync).
+    With a ``"self"`` proxy the features are the target's own attention sums, mapped layer by layer.
+
+    On CUDA the mapper runs under bfloat16 autocast (``mapper_autocast``); its logits come back in float32.
 
     Args:
         checkpoint: a loaded :class:`~proxykv_hf.hub.Checkpoint`.
         proxy_model: the proxy model for kind ``"model"`` checkpoints (loaded by ``ProxyKVCache.from_pretrained``).
         proxy_device: where the proxy and mapper run; default: the target's device.
-        chunk_size: queries per chunk in the attention accumulation.
+        chunk_size: queries per chunk in the attention accumulation (PyTorch path).
         n_sink: first tokens always kept (the KVzip teacher protects its sinks the same way).
+        mapper_autocast: run the mapper under bfloat16 autocast on CUDA.
+        overlap: let the target finish its whole prefill while the proxy still runs, and compact all layers at the
+            end (the target's full K/V is then held until the end of the prefill). None (default): only when the
+            proxy runs on another device than the target. On one H100, where the target's prefill keeps the GPU
+            busy, overlapping saved no time and raised the peak prefill memory of an 8B/1B pair at 32k from 1.07x to
+            1.19x the full cache's (docs/performance.md); with ``False`` the first compacted layer's stream waits on
+            the proxy's event and every layer is compacted as soon as its attention has run.
     """
 
-    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = 256, n_sink: int = 4):
+    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = 256, n_sink: int = 4,
+                 mapper_autocast: bool = True, overlap: bool | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -39,8 +52,14 @@ class ProxyScorer(Scorer):
         self.chunk_size = chunk_size
         self.n_sink = n_sink
         self.needs_input_ids = self.spec.kind != "self"
+        self.query_free = self.spec.kind != "self"
+        self.mapper_autocast = mapper_autocast
+        self.overlap = overlap
+        self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     @property
     def mapper(self):
@@ -48,39 +67,82 @@ class ProxyScorer(Scorer):
 
     def fresh(self) -> "ProxyScorer":
         clone = copy.copy(self)
-        clone._scores, clone._event = None, None
+        clone._scores, clone._event, clone._thread, clone._error = None, None, None, None
         return clone
 
-    def _check(self, model) -> None:
+    def _check(self, prompt: Prompt) -> None:
+        model = prompt.model
         self.checkpoint.check_target(model.config)
         if self.proxy_model is not None:
             got, want = self.proxy_model.config.vocab_size, model.config.vocab_size
-            if got != want:
-                raise ValueError(f"proxy and target must share a tokenizer: proxy vocab {got} != target vocab {want}")
+            # embedding tables may be padded differently within a family; the prompt's ids must fit the proxy's
+            top = -1 if got >= want else int(prompt.input_ids.max())
+            if top >= got:
+                raise ValueError(f"proxy and target must share a tokenizer: token id {top} is outside the proxy's "
+                                 f"vocabulary ({got} rows; the target has {want})")
 
     def prepare(self, prompt: Prompt) -> None:
-        self._check(prompt.model)
-        self._scores, self._event = None, None
+        self._check(prompt)
+        self._scores, self._event, self._thread, self._error = None, None, None, None
         if self.spec.kind == "self":
             return
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
         device = self.proxy_device or prompt.input_ids.device
+        self._same_device = _same_device(device, prompt.input_ids.device)
         ids = prompt.input_ids.to(device, non_blocking=True)
-        mask = prompt.valid.to(device, non_blocking=True).long()
+        # no mask for an unpadded prompt: the proxy's attention stays causal-only (fused attention sums) and the
+        # mapper's encoder runs without a padding mask (flash attention)
+        mask = None if bool(prompt.valid.all()) else prompt.valid.to(device, non_blocking=True).long()
         self.mapper.to(device)
-        if device.type == "cuda":
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))  # the prompt tensors were made there
-            with torch.cuda.stream(stream):
-                self._scores = self._run(runner, ids, mask)
-            self._event = stream.record_event()
-        else:
+        if device.type != "cuda":
             self._scores = self._run(runner, ids, mask)
+            return
+        # On CUDA the proxy and mapper are launched from a worker thread onto a side stream, so that the target's
+        # prefill is launched at once on its own stream, and a host sync inside the proxy (e.g. a mask check in
+        # transformers) blocks only the worker.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the prompt tensors were made there
+        self._event = torch.cuda.Event()
+
+        def work():
+            try:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    self._scores = self._run(runner, ids, mask)
+                    self._event.record(stream)
+            except BaseException as exc:  # re-raised on the caller's thread by score()
+                self._error = exc
+
+        self._thread = threading.Thread(target=work, name="proxykv-proxy", daemon=True)
+        self._thread.start()
+
+    def ready(self) -> bool:
+        overlap = not self._same_device if self.overlap is None else self.overlap
+        if not overlap:
+            return True  # score() now: the target's stream waits on the proxy's event (the host does not)
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        return self._event is None or self._error is not None or self._event.query()
+
+    def _wait(self, device: torch.device) -> None:
+        """Make ``device``'s current stream wait for the side work (the host only waits for the launches)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                raise RuntimeError("the ProxyKV proxy failed on its side stream") from self._error
+            torch.cuda.current_stream(device).wait_event(self._event)
+            if self._scores.device == device:  # read on this stream from now on: keep the allocator from reusing it
+                self._scores.record_stream(torch.cuda.current_stream(device))
+
+    def _map(self, fn, device: torch.device) -> torch.Tensor:
+        on = self.mapper_autocast and device.type == "cuda"
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on):
+            return fn().float()
 
     @torch.no_grad()
     def _run(self, runner, ids, mask) -> torch.Tensor:
         x = proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size)
-        return self.mapper(x, attention_mask=mask)  # (B, L_l, H_l, N)
+        return self._map(lambda: self.mapper(x, attention_mask=mask), ids.device)  # (B, L_l, H_l, N)
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
@@ -90,13 +152,19 @@ class ProxyScorer(Scorer):
                                query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
                                chunk_size=self.chunk_size)  # (B, H, T)
             self.mapper.to(device)
-            return self.mapper.forward_layer(x, inputs.compact_index, inputs.valid.to(device).long())
-        if self._event is not None:
-            torch.cuda.current_stream(device).wait_event(self._event)
+            mask = inputs.valid.to(device).long()
+            return self._map(lambda: self.mapper.forward_layer(x, inputs.compact_index, mask), device)
+        self._wait(device)
         scores = self._scores[:, inputs.compact_index].to(device, non_blocking=True)
         if inputs.compact_index == self.checkpoint.target.num_layers - 1:
             self._scores, self._event = None, None  # free once the last layer has its scores
         return scores
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when device 0 is the current one."""
+    index = lambda d: d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()  # noqa
+    return a.type == b.type and index(a) == index(b)
 
 
 def describe_runner(model) -> str:

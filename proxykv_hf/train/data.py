@@ -257,15 +257,18 @@ def check_shared_tokenizer(target, proxy, tokenizer=None, proxy_tokenizer=None, 
                            ) -> None:
     """Raise ``ValueError`` naming both models unless ``proxy`` can read the target's token ids.
 
-    Compares the vocabulary sizes and the special token ids of the two configs (the mapper's inference path,
-    ``ProxyScorer``, requires equal vocabulary sizes too), and, when both tokenizers are given, their encodings
-    of a probe string.
+    The proxy's embedding table must hold every target token (sizes may differ: families pad them differently,
+    e.g. Qwen2.5-7B has 152064 rows and Qwen2.5-1.5B 151936 for the same 151665-token tokenizer), the special token
+    ids of the two configs must agree, and, when both tokenizers are given, they must encode a probe string alike.
     """
     names = names or (getattr(proxy, "name_or_path", "") or "proxy", getattr(target, "name_or_path", "") or "target")
     prefix = f"proxy {names[0]!r} and target {names[1]!r} must share a tokenizer"
     pc, tc = proxy.config, target.config
-    if pc.vocab_size != tc.vocab_size:
-        raise ValueError(f"{prefix}: vocab sizes {pc.vocab_size} vs {tc.vocab_size}")
+    if pc.vocab_size != tc.vocab_size:  # padded embedding tables differ within a family (Qwen2.5-7B vs -1.5B)
+        n = len(tokenizer) if tokenizer is not None else tc.vocab_size
+        if pc.vocab_size < n:
+            raise ValueError(f"{prefix}: the proxy's vocabulary ({pc.vocab_size}) cannot hold the target's {n} "
+                             f"tokens (vocab sizes {pc.vocab_size} vs {tc.vocab_size})")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         a, b = getattr(pc, name, None), getattr(tc, name, None)
         if a is not None and b is not None and a != b:

@@ -1,0 +1,59 @@
+"""Fused (Triton) vs PyTorch attention column sums on a GPU: time, peak memory, agreement.
+
+    python examples/bench_attention_sums.py --lengths 4096 8192 16384 32768
+
+The shape defaults to one Llama-3.2-1B layer (32 query heads, 8 KV heads, head dim 64) in bfloat16: the work the
+proxy does per layer on top of its own prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from proxykv_hf.scoring import attention_sums
+
+
+def measure(fn, repeats: int) -> tuple[float, int, torch.Tensor]:
+    out = fn()  # warm-up (compiles the Triton kernels on the first call)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats, torch.cuda.max_memory_allocated() - base, out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    ns = p.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| N | torch ms | triton ms | speed-up | torch peak MiB | triton peak MiB | max rel. diff |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for n in ns.lengths:
+        torch.manual_seed(0)
+        q = torch.randn(1, ns.heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, ns.kv_heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
+        t_ref, m_ref, ref = measure(lambda: attention_sums(q, k, backend="torch"), ns.repeats)
+        t_fused, m_fused, got = measure(lambda: attention_sums(q, k, backend="triton"), ns.repeats)
+        diff = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+        rows.append(dict(n=n, torch_ms=t_ref, triton_ms=t_fused, torch_peak=m_ref, triton_peak=m_fused, diff=diff))
+        print(f"| {n} | {t_ref:.1f} | {t_fused:.1f} | {t_ref / t_fused:.1f}x | {m_ref / 2**20:.0f} | "
+              f"{m_fused / 2**20:.0f} | {diff:.1e} |")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
