@@ -176,9 +176,10 @@ def cmd_build_data(ns) -> int:
 
 
 def cmd_train(ns) -> int:
+    from .train.losses import LossConfig
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
-    cfg = from_args(TrainConfig, ns)
+    cfg = from_args(TrainConfig, ns, loss=LossConfig(**_overrides(LossConfig, ns.loss, "--loss")))
     mapper_cfg = mapper_config_for(ns.data, ns.preset, **_mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
@@ -187,17 +188,21 @@ def cmd_train(ns) -> int:
 
 def _mapper_overrides(items: list[str]) -> dict:
     """``["d_time=64", "dropout=0"]`` -> typed MapperConfig overrides; unknown fields and bad values raise."""
-    import dataclasses
-
     from .mapper import MapperConfig
 
-    types = {f.name: f.type for f in dataclasses.fields(MapperConfig)}
+    return _overrides(MapperConfig, items, "--mapper-config")
+
+
+def _overrides(cls, items: list[str], flag: str) -> dict:
+    """``["FIELD=VALUE", ...]`` -> typed overrides of the simple (bool, int, float, str) fields of ``cls``."""
+    import dataclasses
+
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
     out: dict = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in types:
-            raise SystemExit(f"--mapper-config expects FIELD=VALUE with FIELD one of {sorted(types)}, "
-                             f"got {item!r}")
+            raise SystemExit(f"{flag} expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
         kind = types[key] if isinstance(types[key], str) else types[key].__name__
         try:
             if kind == "bool":
@@ -207,7 +212,7 @@ def _mapper_overrides(items: list[str]) -> dict:
             else:
                 out[key] = {"int": int, "float": float}.get(kind, str)(value)
         except ValueError:
-            raise SystemExit(f"--mapper-config {key}: {value!r} is not a valid {kind}") from None
+            raise SystemExit(f"{flag} {key}: {value!r} is not a valid {kind}") from None
     return out
 
 
@@ -282,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"])
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override MapperConfig fields of the preset, e.g. crop_len=512 stride=256 dropout=0")
+    p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="override LossConfig fields (default: the paper's), e.g. lambda_list=5 list_ratio=0.1")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")

@@ -59,6 +59,15 @@ class MapperConfig:
     ``time_encoder="meanpool"`` replaces the transformer by adding the window's masked mean (no parameters),
     ``"none"`` by the identity; ``head_stage=False`` replaces stage 3 by ``Linear(d_time -> H_l)``;
     ``layer_embedding=True`` adds a learned target-layer embedding before stage 3 (ERRATA 3, off in the paper).
+
+    Beyond the paper: ``direct_path=True`` adds a residual linear path from the transformed input features to the
+    logits. Per target layer ``l`` and KV head ``h`` it adds ``sum_s W[l, h, s] * f_s + b[l, h]``, with ``f_s`` the
+    transformed features of proxy head ``s`` of the paired proxy layer, centred per row over real tokens (so a
+    length-dependent shift of the attention sums does not move it). The stem, encoder and shared head stage cannot
+    know which proxy heads of *this* layer single out rare tokens (a retrieval head of one layer is an ordinary head
+    in the next); the direct path can, and it passes a one-token spike through unsmoothed. ``W`` and ``b`` start at
+    zero, so the path is a no-op at initialisation and a trained mapper can be fine-tuned with it
+    (``docs/training.md``).
     """
 
     num_proxy_layers: int
@@ -79,6 +88,7 @@ class MapperConfig:
     time_encoder: str = "transformer"
     head_stage: bool = True
     layer_embedding: bool = False
+    direct_path: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -188,8 +198,7 @@ class ConvStem(nn.Module):
 
     def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
         """x ``(B, H_s, N)``, valid ``(B, N)`` bool -> ``(B, d_time, N)``."""
-        if self.transform == "log1p":
-            x = torch.log1p(x.clamp_min(0))
+        x = transform_features(x, self.transform)
         keep = None if valid is None else valid[:, None, :].to(x.dtype)  # (B, 1, N)
         if keep is not None:
             x = x * keep
@@ -254,6 +263,32 @@ class HeadStage(nn.Module):
         return self.out(o).squeeze(-1).transpose(1, 2)  # (B, H_l, N)
 
 
+def transform_features(x: Tensor, transform: str) -> Tensor:
+    """The mapper's input transform (``MapperConfig.input_transform``) on raw proxy features."""
+    return torch.log1p(x.clamp_min(0)) if transform == "log1p" else x
+
+
+class DirectPath(nn.Module):
+    """Beyond the paper (``MapperConfig.direct_path``): per (target layer, KV head) a linear combination of the
+    paired proxy layer's transformed, row-centred features, added to the stage-3 logits. Zero-initialised."""
+
+    def __init__(self, config: MapperConfig) -> None:
+        super().__init__()
+        self.transform = config.input_transform
+        self.weight = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads,
+                                               config.num_proxy_heads))
+        self.bias = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads))
+
+    def forward(self, x_layer: Tensor, target_layer_idx: int, valid: Tensor | None = None) -> Tensor:
+        """x_layer ``(B, H_s, N)`` raw features, valid ``(B, N)`` bool -> ``(B, H_l, N)`` logits."""
+        f = transform_features(x_layer, self.transform)  # (B, H_s, N)
+        keep = torch.ones_like(f[:, :1]) if valid is None else valid[:, None, :].to(f.dtype)  # (B, 1, N)
+        mean = (f * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)  # (B, H_s, 1)
+        f = (f - mean) * keep
+        out = torch.einsum("hs,bsn->bhn", self.weight[target_layer_idx], f)  # (B, H_l, N)
+        return out + self.bias[target_layer_idx][None, :, None]
+
+
 class HybridAxialMapper(nn.Module):
     """The ProxyKV mapper. Returns finite logits everywhere; callers mask padding (:func:`mask_padding`).
 
@@ -277,16 +312,18 @@ class HybridAxialMapper(nn.Module):
         if config.layer_embedding:
             self.layer_embedding = nn.Embedding(config.num_target_layers, config.d_time)
             nn.init.normal_(self.layer_embedding.weight, std=0.02)
+        self.direct = DirectPath(config) if config.direct_path else None
 
     def pairing(self) -> list[int]:
         """0-based proxy layer read by each target layer (see :meth:`MapperConfig.pairing`)."""
         return self.config.pairing()
 
     def num_parameters_by_stage(self) -> dict[str, int]:
-        """Trainable parameter counts ``{"stem", "encoder", "head"}``; a layer embedding counts as head."""
+        """Trainable parameter counts ``{"stem", "encoder", "head"}``; a layer embedding and a direct path count
+        as head."""
         count = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())  # noqa: E731
         return {"stem": count(self.stem), "encoder": count(self.time_encoder),
-                "head": count(self.head) + count(self.layer_embedding)}
+                "head": count(self.head) + count(self.layer_embedding) + count(self.direct)}
 
     def encode(self, x_layer: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Stages 1-2 for one proxy layer, windowed over time.
@@ -343,7 +380,13 @@ class HybridAxialMapper(nn.Module):
             raise ValueError(f"target_layer_idx must be in [0, {self.config.num_target_layers}), "
                              f"got {target_layer_idx}")
         self._check(x_layer, 3, attention_mask)
-        return self._head(self.encode(x_layer, attention_mask), target_layer_idx)
+        out = self._head(self.encode(x_layer, attention_mask), target_layer_idx)
+        return out if self.direct is None else out + self._direct(x_layer, target_layer_idx, attention_mask)
+
+    def _direct(self, x_layer: Tensor, target_layer_idx: int, attention_mask: Tensor | None) -> Tensor:
+        """The direct path's ``(B, H_l, N)`` logits for one target layer."""
+        valid = None if attention_mask is None else attention_mask.bool()
+        return self.direct(x_layer.to(dtype=self.direct.weight.dtype), target_layer_idx, valid)
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None,
                 target_layers: list[int] | None = None) -> Tensor:
@@ -381,6 +424,8 @@ class HybridAxialMapper(nn.Module):
                 shared = None if self.layer_embedding is not None else self._head(z, 0)
                 for l in (l for l in dict.fromkeys(wanted) if pairs[l] == p):
                     scores[l] = self._head(z, l) if shared is None else shared
+                    if self.direct is not None:
+                        scores[l] = scores[l] + self._direct(x[:, p], l, attention_mask)
         return torch.stack([scores[l] for l in wanted], dim=1)  # (B, len(wanted), H_l, N)
 
     def _check(self, x: Tensor, ndim: int, attention_mask: Tensor | None) -> None:

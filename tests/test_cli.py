@@ -96,6 +96,15 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
         with pytest.raises(SystemExit, match="--mapper-config"):
             main(["train", "--data", str(data), "--out", str(tmp_path / "x"), "--preset", "tiny",
                   "--mapper-config", *bad])
+    main(["train", "--data", str(data), "--out", str(tmp_path / "list"), "--preset", "tiny", "--max-steps", "1",
+          "--no-progress", "--loss", "lambda_list=2", "list_ratio=0.2", "--mapper-config", "direct_path=true"])
+    saved = json.loads((tmp_path / "list" / "proxykv_config.json").read_text())
+    assert saved["training"]["train_config"]["loss"]["lambda_list"] == 2.0
+    assert saved["training"]["train_config"]["loss"]["list_ratio"] == 0.2
+    assert saved["mapper"]["direct_path"] is True
+    with pytest.raises(SystemExit, match="--loss"):
+        main(["train", "--data", str(data), "--out", str(tmp_path / "y"), "--preset", "tiny",
+              "--loss", "lambda_listy=2"])
 
 
 def test_eval_adds_methods_later_with_fidelity(tmp_path):

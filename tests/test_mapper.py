@@ -248,3 +248,52 @@ def test_layer_batch_is_only_a_speed_setting():
         mapper.layer_batch = 3
         torch.testing.assert_close(mapper(x, attention_mask=mask), one, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mapper(x), mapper(x, attention_mask=torch.ones(2, 40)), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ direct path
+def test_direct_path_starts_as_a_no_op_and_is_off_by_default():
+    assert MapperConfig.paper(**LLAMA_1B_TO_8B).direct_path is False
+    assert tiny().direct is None
+    base, with_direct = tiny(), tiny(direct_path=True)
+    missing, unexpected = with_direct.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and sorted(missing) == ["direct.bias", "direct.weight"]
+    x = torch.rand(2, 2, 2, 40)
+    torch.testing.assert_close(with_direct(x), base(x))
+    n = with_direct.config
+    assert with_direct.num_parameters_by_stage()["head"] - base.num_parameters_by_stage()["head"] == (
+        n.num_target_layers * n.num_target_heads * (n.num_proxy_heads + 1))
+
+
+def test_direct_path_adds_a_per_layer_head_combination():
+    m = tiny(direct_path=True)
+    base = tiny()
+    with torch.no_grad():
+        m.direct.weight[3, 1, 0] = 2.0  # target layer 3, KV head 1 reads proxy head 0
+        m.direct.bias[3, 1] = 0.5
+    x = torch.rand(1, 2, 2, 40)
+    x[0, 1, 0, 17] = 50.0  # a one-token spike in proxy layer 1 (paired with target layers 2 and 3), head 0
+    out, ref = m(x), base(x)
+    torch.testing.assert_close(out[:, :3], ref[:, :3])  # other layers untouched
+    f = torch.log1p(x[0, 1, 0])
+    torch.testing.assert_close(out[0, 3, 1] - ref[0, 3, 1], 2.0 * (f - f.mean()) + 0.5)
+    torch.testing.assert_close(out[:, 3, 0], ref[:, 3, 0])
+    torch.testing.assert_close(m.forward_layer(x[:, 1], 3), out[:, 3])
+    assert int(out[0, 3, 1].argmax()) == 17
+
+
+def test_direct_path_ignores_padding():
+    m = tiny(direct_path=True)
+    with torch.no_grad():
+        m.direct.weight.normal_()
+        m.direct.bias.normal_()
+    x = torch.rand(1, 2, 2, 30)
+    padded = torch.cat([torch.rand(1, 2, 2, 6) * 100, x], dim=-1)  # left padding with junk
+    mask = torch.cat([torch.zeros(1, 6), torch.ones(1, 30)], dim=-1).long()
+    torch.testing.assert_close(m(padded, attention_mask=mask)[..., 6:], m(x), atol=1e-5, rtol=1e-4)
+
+
+def test_direct_path_config_round_trip():
+    cfg = MapperConfig.tiny(direct_path=True)
+    assert MapperConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="direct_path"):
+        MapperConfig.tiny(direct_path=1)

@@ -299,6 +299,37 @@ def test_init_from_starts_at_a_checkpoints_weights(self_data, tmp_path):
                      fast_train(max_steps=1, init_from=str(tmp_path / "a")))
 
 
+
+def test_init_from_may_switch_on_the_direct_path(self_data, tmp_path):
+    mcfg = mapper_config_for(self_data, "tiny")
+    first = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=2))
+    direct_cfg = mapper_config_for(self_data, "tiny", direct_path=True)
+    again = train_mapper(self_data, tmp_path / "b", direct_cfg,
+                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
+    start = dict(first.mapper.named_parameters())
+    for name, p in again.mapper.named_parameters():
+        if name.startswith("direct."):
+            assert not p.any(), name  # the new path keeps its no-op init
+        else:
+            torch.testing.assert_close(p, start[name], msg=name)
+    with pytest.raises(ValueError, match="another mapper config"):  # the other way round drops parameters
+        train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, init_from=str(tmp_path / "b")))
+
+
+def test_direct_path_lr_mult_sets_its_own_param_group(self_data, tmp_path):
+    from proxykv_hf.train.loop import param_groups
+
+    mapper = HybridAxialMapper(mapper_config_for(self_data, "tiny", direct_path=True))
+    groups = param_groups(mapper, fast_train(lr=1e-3, direct_path_lr_mult=50.0))
+    assert len(groups) == 2 and groups[1]["lr"] == pytest.approx(0.05)
+    assert {id(p) for p in groups[1]["params"]} == {id(mapper.direct.weight), id(mapper.direct.bias)}
+    assert len(param_groups(HybridAxialMapper(mapper_config_for(self_data, "tiny")), fast_train())) == 1
+    ckpt = train_mapper(self_data, tmp_path / "d", mapper_config_for(self_data, "tiny", direct_path=True),
+                        fast_train(max_steps=3, direct_path_lr_mult=50.0))
+    assert ckpt.mapper.config.direct_path and ckpt.mapper.direct.weight.abs().sum() > 0
+    with pytest.raises(ValueError, match="direct_path_lr_mult"):
+        fast_train(direct_path_lr_mult=-1.0)
+
 # ------------------------------------------------------------------------------------------------ sources, oracle
 def test_texts_from_files(tmp_path):
     (tmp_path / "a.txt").write_text("first doc\n\nsecond block\n")

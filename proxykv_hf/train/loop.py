@@ -74,8 +74,13 @@ class TrainConfig:
         eval_batch_size: validation batch size (default ``batch_size``).
         loss: the hybrid loss coefficients.
         init_from: start from the weights of this mapper checkpoint (directory or Hub id; fine-tuning on new
-            data); its mapper config must equal the one trained. Optimizer, schedule and step count start
-            fresh. Ignored when resuming a run from ``out_dir/last``.
+            data); its mapper config must equal the one trained, except that the new one may add parameters
+            that start as a no-op (``direct_path``: those keep their zero initialisation). Optimizer, schedule
+            and step count start fresh. Ignored when resuming a run from ``out_dir/last``.
+        direct_path_lr_mult: learning-rate multiplier of the mapper's direct-path parameters
+            (``MapperConfig.direct_path``, beyond the paper): they are a few hundred linear weights that start at
+            zero, so at the encoder's learning rate they would move ~``lr`` per step; warmup and plateau decay
+            apply to them alike.
         layers_per_step: train each step on this many target layers drawn at random (the mapper is shared by
             all layers, so this is an unbiased estimate of the full loss at a fraction of the cost; the
             validation always scores every layer); None = all layers.
@@ -103,12 +108,13 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     layers_per_step: int | None = None
     init_from: str | None = None
+    direct_path_lr_mult: float = 1.0
     log_every: int = 50
     progress: bool = True
 
     def __post_init__(self) -> None:
         self.eval_ratios = tuple(self.eval_ratios)
-        for name in ("lr", "weight_decay"):
+        for name in ("lr", "weight_decay", "direct_path_lr_mult"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -149,6 +155,35 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------ pieces
+ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters start as a no-op: value off
+
+
+def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: str = "init_from") -> None:
+    """Copy the weights of ``start`` into ``mapper`` (``TrainConfig.init_from``).
+
+    The configs must be equal, except that ``mapper`` may switch on fields of :data:`ADDITIVE_FIELDS` that
+    ``start`` has off; the parameters those add keep their (no-op) initialisation.
+    """
+    new, old = mapper.config.to_dict(), start.config.to_dict()
+    diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
+    if any(k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k] for k in diff):
+        raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
+    missing, unexpected = mapper.load_state_dict(start.state_dict(), strict=False)
+    if unexpected:
+        raise ValueError(f"{name}: unexpected parameters {unexpected}")
+    logger.info("initialised the mapper from %s%s", name, f" (new, at their init: {missing})" if missing else "")
+
+
+def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
+    """AdamW parameter groups: the direct path (if any) at ``lr * direct_path_lr_mult``, the rest at ``lr``."""
+    direct = [p for n, p in mapper.named_parameters() if n.startswith("direct.")]
+    rest = [p for n, p in mapper.named_parameters() if not n.startswith("direct.")]
+    groups = [{"params": rest}]
+    if direct:
+        groups.append({"params": direct, "lr": cfg.lr * cfg.direct_path_lr_mult})
+    return groups
+
+
 def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", **overrides) -> MapperConfig:
     """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers and
     heads, target layers and KV heads, and the dataset's crop length and stride as the inference windows."""
@@ -353,13 +388,8 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     mapper = HybridAxialMapper(mapper_config)
     last = _find_last(out) if resume else None
     if cfg.init_from is not None and last is None:  # a resumed run's own state wins
-        start = load_checkpoint(cfg.init_from)
-        if start.mapper.config != mapper_config:
-            raise ValueError(f"init_from {cfg.init_from} holds another mapper config: {start.mapper.config} vs "
-                             f"{mapper_config}")
-        mapper.load_state_dict(start.mapper.state_dict())
-        logger.info("initialised the mapper from %s", cfg.init_from)
-    optimizer = torch.optim.AdamW(mapper.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        init_mapper_from(mapper, load_checkpoint(cfg.init_from).mapper, cfg.init_from)
+    optimizer = torch.optim.AdamW(param_groups(mapper, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = EpochSampler(len(train_set), cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
                         pin_memory=use_cuda)

@@ -1,0 +1,82 @@
+"""Where do mapper checkpoints rank the needle? Needle rank percentile of several mappers on cached self features.
+
+    python examples/needle_rank.py --tasks niah_single_1 --n-samples 4 --seed 100 \
+        --mappers proxykv_hf/checkpoints/proxykv-smollm2-135m-instruct runs/my-mapper
+
+Same measure as ``examples/compare_proxies.py`` (percentile of the mean rank of the answer's context tokens among
+all context tokens, 0 = top, 0.5 = chance; "best layer" / "median layer" over the 30 layers, mapper scores averaged
+over the 3 KV heads, raw features: best head of each layer), but the self-proxy features of the samples are computed
+once and cached (``--cache``), so comparing mapper variants costs seconds. No KVzip pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_proxies import needle_positions, rank_percentile  # noqa: E402
+
+from proxykv_hf.eval import tasks as task_lib  # noqa: E402
+from proxykv_hf.hub import load_checkpoint  # noqa: E402
+
+
+def cached_features(tasks: list[str], n: int, tokens: int, seed: int, cache: Path) -> list[dict]:
+    """``[{"task", "x" (30, 9, N), "pos"}]`` for the samples, from ``cache`` if it exists."""
+    if cache.is_file():
+        return torch.load(cache, weights_only=False)
+    from proxykv_hf.models import load_model_and_tokenizer
+    from proxykv_hf.proxy import proxy_features
+
+    model, tok = load_model_and_tokenizer()
+    items = []
+    for task in tasks:
+        for sample in task_lib.generate(task, n, tokens, tok, seed):
+            ids, pos = needle_positions(sample, tok)
+            with torch.no_grad():
+                items.append({"task": task, "x": proxy_features(model, ids)[0].half(), "pos": pos})
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(items, cache)
+    return items
+
+
+@torch.no_grad()
+def needle_rank(scores_fn, items: list[dict], best_head: bool = False) -> tuple[float, float]:
+    """Mean over samples of (best layer, median layer) needle rank percentile."""
+    best, median = [], []
+    for it in items:
+        per_head = rank_percentile(scores_fn(it["x"].float()).float(), it["pos"])  # (L, H)
+        per_layer = per_head.min(-1).values if best_head else per_head.mean(-1)  # (L,)
+        best.append(float(per_layer.min()))
+        median.append(float(per_layer.median()))
+    return statistics.mean(best), statistics.mean(median)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", nargs="+", default=["niah_single_1"])
+    p.add_argument("--n-samples", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=100)
+    p.add_argument("--cache", type=Path, default=None, help="feature cache file (default runs/needle-cache-...pt)")
+    p.add_argument("--mappers", nargs="*", default=[], help="checkpoint directories or Hub ids")
+    ns = p.parse_args(argv)
+    cache = ns.cache or Path(f"runs/needle-cache-{'-'.join(ns.tasks)}-n{ns.n_samples}-t{ns.tokens}-s{ns.seed}.pt")
+    items = cached_features(ns.tasks, ns.n_samples, ns.tokens, ns.seed, cache)
+    print(f"{','.join(ns.tasks)}, {ns.n_samples} samples per task of ~{ns.tokens} tokens, seed {ns.seed}: "
+          "needle rank percentile (0 = top, 0.5 = chance)")
+    print(f"{'source':<60} {'best layer':>10} {'median layer':>12}")
+    b, m = needle_rank(lambda x: x, items, best_head=True)
+    print(f"{'self features (best head)':<60} {b:>10.3f} {m:>12.3f}")
+    for path in ns.mappers:
+        mapper = load_checkpoint(path).mapper.eval()
+        b, m = needle_rank(lambda x: mapper(x[None])[0], items)
+        print(f"{path:<60} {b:>10.3f} {m:>12.3f}")
+
+
+if __name__ == "__main__":
+    main()
