@@ -1,4 +1,5 @@
-"""CUDA paths (skipped without a GPU): side-stream proxy scoring equals the CPU result; a proxy on another device."""
+"""CUDA paths (skipped without a GPU): side-stream proxy scoring equals the CPU result; a proxy on another device;
+mapper training under bf16 autocast."""
 
 import math
 
@@ -28,7 +29,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> float:
     return sum(same) / len(same)
 
 
-@pytest.mark.parametrize("proxy_device", [None, "cuda:1"])
+@pytest.mark.parametrize("proxy_device", [None, "cpu", "cuda:1"])  # cpu: a proxy beside, not on, the GPU
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("overlap", [None, True])
 def test_side_stream_matches_cpu(tmp_path, monkeypatch, proxy_device, padded, overlap):
@@ -61,3 +62,44 @@ def test_side_stream_matches_cpu(tmp_path, monkeypatch, proxy_device, padded, ov
         torch.testing.assert_close(c[fin], a[fin], atol=5e-2 * scale, rtol=5e-2)  # bfloat16 mapper
     for a, b in zip(kept["cpu", False], kept["cuda", False]):
         assert _overlap(a, b) > 0.8  # equal scores up to float noise; a random tiny mapper has many near-ties
+
+
+def test_train_bf16_autocast(tmp_path):
+    """`proxykv train` on CUDA runs the mapper under bfloat16 autocast (the default) and learns: its loss falls and
+    its validation metrics stay within noise of a float32 run of the same steps."""
+    import json
+
+    from proxykv_hf.cli import main
+    from proxykv_hf.hub import load_checkpoint
+    from proxykv_hf.train.evaluate import read_log
+
+    data = tmp_path / "data"
+    main(["build-data", "--tiny", "--tasks", "niah_single_1", "vt", "--n-per-task", "4", "--tokens",
+          "300", "--crop-len", "64", "--stride", "32", "--out", str(data)])
+    seen = []
+    original = HybridAxialMapper.forward
+
+    def spy(self, *args, **kwargs):
+        if self.training:
+            seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")))
+        return original(self, *args, **kwargs)
+
+    HybridAxialMapper.forward = spy
+    try:
+        runs = {}
+        for precision in ("bf16", "no"):
+            out = tmp_path / precision
+            main(["train", "--data", str(data), "--out", str(out), "--preset", "tiny", "--max-steps", "60",
+                  "--epochs", "100", "--batch-size", "4", "--warmup-steps", "0", "--lr", "3e-3", "--log-every", "1",
+                  "--no-progress", "--mixed-precision", precision])
+            runs[precision] = (load_checkpoint(out), read_log(out / "log.jsonl"))
+    finally:
+        HybridAxialMapper.forward = original
+    assert seen[0] == (True, torch.bfloat16) and seen[-1][0] is False  # bf16 run first, then the fp32 one
+    for precision, (ckpt, log) in runs.items():
+        assert ckpt.training["device"] == torch.cuda.get_device_name(0), json.dumps(ckpt.training)
+        losses = [r["loss"] for r in log if r["kind"] == "step"]
+        assert sum(losses[-10:]) / 10 < 0.85 * sum(losses[:10]) / 10, (precision, losses[:10], losses[-10:])
+        assert next(ckpt.mapper.parameters()).dtype == torch.float32  # autocast: float32 master weights saved
+    bf16, fp32 = runs["bf16"][0].metrics, runs["no"][0].metrics
+    assert abs(bf16["topk_recall@0.3"] - fp32["topk_recall@0.3"]) < 0.1, (bf16, fp32)

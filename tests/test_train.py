@@ -386,3 +386,26 @@ def test_hybrid_target_keeps_full_attention_layers(tmp_path, tok, texts):
     enc = tok([texts[0]], return_tensors="pt")
     out = target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert out.shape[1] == enc["input_ids"].shape[1] + 2
+
+
+def test_two_processes_share_the_batches(self_data, tmp_path):
+    """Data-parallel training (what `accelerate launch` on several GPUs runs), here as two CPU processes over gloo:
+    each process takes half of the batches, the checkpoint is written once and says how many processes trained."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           "-m", "proxykv_hf.cli", "train", "--data", str(self_data), "--out", str(out), "--preset", "tiny",
+           "--epochs", "2", "--batch-size", "2", "--warmup-steps", "2", "--log-every", "1", "--no-progress",
+           "--cpu", "--layers-per-step", "2", "--mapper-config", "direct_path=true"]
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_"))}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    ckpt = load_checkpoint(out)
+    assert ckpt.training["num_processes"] == 2
+    train_crops = ckpt.training["train_crops"]
+    per_epoch = math.ceil(math.ceil(train_crops / 2) / 2)  # batches of 2, dealt to 2 processes
+    steps = [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "step"]
+    assert steps == list(range(1, 2 * per_epoch + 1))  # logged once (by the main process), not twice
+    assert math.isfinite(ckpt.metrics["loss"]) and ckpt.mapper.config.direct_path

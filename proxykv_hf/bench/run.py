@@ -5,7 +5,9 @@ TTFT is prefill + scoring + compaction (one forward over the prompt with the met
 ``repeats`` runs after a warm-up. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
 the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
 (``/proc/self/statm``) above the level at entry, after ``malloc_trim`` (still approximate: the allocator may
-reuse memory it kept). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction.
+reuse memory it kept). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction; on CUDA
+the reported figure replays each step as a CUDA graph over static buffers (``graph.py``: eager decoding is
+host-bound there, whatever the cache size), and the eager figure is kept beside it.
 
 On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's: with torch 2.11 + CUDA
 13 on an H100, cuDNN attention spent ~2 ms of host time per call on one-token queries (a new plan for every new
@@ -14,6 +16,7 @@ key length), which made an 8B model's decode host-bound at ~110 ms/token (docs/p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +46,8 @@ class BenchConfig:
         repeats: timed runs per point (median reported).
         warmup: untimed runs before the first point.
         decode_tokens: greedy steps timed after compaction (0 = skip).
+        decode_graphs: on CUDA, also time decoding as replayed CUDA graphs (the reported decode figure; the
+            eager figure is kept as ``decode_eager_ms_per_token``).
         seed: for the random prompts (timing does not depend on the token values).
     """
 
@@ -52,6 +57,7 @@ class BenchConfig:
     repeats: int = 3
     warmup: int = 1
     decode_tokens: int = 128
+    decode_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -113,6 +119,15 @@ class PeakMemory:
             self.peak = max(self._max, self._rss()) - self._base
 
 
+def _decode_attention(device: torch.device):
+    """SDPA without cuDNN on CUDA (see the module docstring); nothing to choose elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def timed(fn, device: torch.device) -> tuple[object, float]:
     """Run ``fn()`` and return (result, seconds), with CUDA events on a GPU."""
     if device.type == "cuda":
@@ -154,25 +169,34 @@ class Bench:
         return cache
 
     @torch.no_grad()
-    def _decode(self, cache: ProxyKVCache, n: int) -> float:
+    def _decode(self, cache: ProxyKVCache, n: int) -> dict:
+        """ms/token over ``decode_tokens`` greedy steps: eager (the plain ``transformers`` loop) and, on CUDA with
+        ``decode_graphs``, replayed CUDA graphs over static buffers (``graph.StaticDecoder``: the GPU's own time)."""
+        steps = self.config.decode_tokens
         tok = torch.full((1, 1), 11, device=self.device)
         pos = cache.get_seq_length()
+        out = {}
+        if self.device.type == "cuda" and self.config.decode_graphs:
+            from .graph import StaticDecoder
+
+            with _decode_attention(self.device):
+                dec = StaticDecoder(self.model, cache, tok, steps, graph=True)
+                _, seconds = timed(lambda: dec.run(steps), self.device)
+            del dec
+            out["decode_ms_per_token"] = 1000 * seconds / steps
 
         def loop():
             nonlocal tok
-            for i in range(self.config.decode_tokens):
-                out = self.model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor([[pos + i]],
-                                 device=self.device), use_cache=True)
-                tok = out.logits[:, -1:].argmax(-1)
+            for i in range(steps):
+                logits = self.model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor(
+                    [[pos + i]], device=self.device), use_cache=True).logits
+                tok = logits[:, -1:].argmax(-1)
 
-        if self.device.type == "cuda":  # see the module docstring: no cuDNN attention in decode
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                _, seconds = timed(loop, self.device)
-        else:
+        with _decode_attention(self.device):
             _, seconds = timed(loop, self.device)
-        return 1000 * seconds / max(1, self.config.decode_tokens)
+        out["decode_eager_ms_per_token"] = 1000 * seconds / steps
+        out.setdefault("decode_ms_per_token", out["decode_eager_ms_per_token"])
+        return out
 
     @torch.no_grad()
     def _breakdown(self, ids: torch.Tensor, full: ProxyKVCache, plain_prefill_s: float) -> dict:
@@ -219,7 +243,7 @@ class Bench:
                        "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": mem.peak,
                        "kv_bytes": cache.nbytes()}
                 if cfg.decode_tokens:
-                    row["decode_ms_per_token"] = self._decode(cache, n)
+                    row.update(self._decode(cache, n))
                 if method == "full":
                     base = row
                     if self.proxy_parts is not None and "proxykv" in cfg.methods:
@@ -229,6 +253,8 @@ class Bench:
                 row["peak_vs_full"] = row["peak_prefill_bytes"] / max(1, base["peak_prefill_bytes"])
                 if "decode_ms_per_token" in row:
                     row["decode_vs_full"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
+                    row["decode_eager_vs_full"] = (row["decode_eager_ms_per_token"]
+                                                   / base["decode_eager_ms_per_token"])
                 if method == "proxykv" and "breakdown" in base:
                     b = dict(base["breakdown"])
                     side = b["proxy_s"] + b["mapper_s"]
@@ -248,12 +274,13 @@ class Bench:
 def table(rows: list[dict]) -> str:
     """A markdown table of the rows (times in ms, memory in MiB)."""
     lines = ["| context | method | TTFT ms | TTFT / full | peak prefill MiB | peak / full | KV MiB | decode ms/tok |"
-             " decode / full |", "|---|---|---|---|---|---|---|---|---|"]
+             " decode / full | eager decode ms/tok |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['context']} | {r['method']} | {1000 * r['ttft_s']:.0f} | {r['ttft_vs_full']:.2f} | "
             f"{r['peak_prefill_bytes'] / 2**20:.1f} | {r['peak_vs_full']:.2f} | {r['kv_bytes'] / 2**20:.1f} | "
-            f"{r.get('decode_ms_per_token', float('nan')):.1f} | {r.get('decode_vs_full', float('nan')):.2f} |")
+            f"{r.get('decode_ms_per_token', float('nan')):.1f} | {r.get('decode_vs_full', float('nan')):.2f} | "
+            f"{r.get('decode_eager_ms_per_token', float('nan')):.1f} |")
     return "\n".join(lines)
 
 
