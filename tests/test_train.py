@@ -409,3 +409,16 @@ def test_two_processes_share_the_batches(self_data, tmp_path):
     steps = [r["step"] for r in read_log(out / "log.jsonl") if r["kind"] == "step"]
     assert steps == list(range(1, 2 * per_epoch + 1))  # logged once (by the main process), not twice
     assert math.isfinite(ckpt.metrics["loss"]) and ckpt.mapper.config.direct_path
+
+
+def test_training_after_another_accelerator_in_the_same_process(self_data, tmp_path):
+    """A notebook that used accelerate with other settings (here bf16 autocast) can still train: the loop starts
+    from a fresh single-process state instead of failing on accelerate's "already initialized"."""
+    from accelerate import Accelerator
+
+    from proxykv_hf.train.loop import _fresh_accelerator_state
+
+    _fresh_accelerator_state()  # whatever earlier tests left behind
+    Accelerator(cpu=True, mixed_precision="bf16")
+    ckpt = train_mapper(self_data, tmp_path, mapper_config_for(self_data, "tiny"), fast_train(max_steps=2))
+    assert ckpt.training["steps"] == 2

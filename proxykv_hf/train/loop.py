@@ -373,6 +373,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
         raise ValueError(f"{data_dir} holds no crops; build the dataset first")
     train_set, val_set = split_dataset(dataset, cfg.val_fraction, cfg.seed, by_text=cfg.split_by_text)
     use_cuda = torch.cuda.is_available() and not cfg.cpu
+    _fresh_accelerator_state()
     accelerator = Accelerator(cpu=not use_cuda, mixed_precision=cfg.mixed_precision if use_cuda else "no")
     main = accelerator.is_main_process
     if main:
@@ -508,6 +509,18 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     if not (out / "proxykv_config.json").is_file():
         raise RuntimeError(f"no checkpoint in {out}: the run ended before its first evaluation")
     return load_checkpoint(out)
+
+
+def _fresh_accelerator_state() -> None:
+    """In a single process, forget the settings of an earlier ``Accelerator`` (a previous run with another
+    ``mixed_precision`` or device in the same notebook), which ``accelerate`` would otherwise refuse to change. Under
+    a distributed launch the state belongs to the launcher and stays."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def _epochs(state: _State, steps_per_epoch: int) -> float:
