@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     ns = p.parse_args(argv)
     model, tok = load_model_and_tokenizer()
     n_sink = KVzipScorer(tok).n_sink
-    print(f"| sample | answer tokens | " + " | ".join(f"rho={r}: kept share per answer token" for r in ns.ratios)
+    print("| sample | answer tokens | " + " | ".join(f"rho={r}: kept share per answer token" for r in ns.ratios)
           + " |")
     print("|---|---|" + "---|" * len(ns.ratios))
     for i, sample in enumerate(task_lib.generate(ns.task, ns.n_samples, ns.tokens, tok, ns.seed)):

@@ -207,9 +207,9 @@ class Bench:
         x, t_proxy = timed(lambda: proxy_features(runner, ids, mask, layers=layers), self.device)
         if kind == "self":  # features come out of the target's own prefill: only the attention sums are extra
             t_proxy = max(0.0, t_proxy - plain_prefill_s)
-        dev = next(mapper.parameters()).device
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):  # as ProxyScorer runs it
-            _, t_mapper = timed(lambda: mapper(x.to(dev), attention_mask=mask.to(dev)), self.device)
+        dev, scorer = next(mapper.parameters()).device, self.scorers["proxykv"]
+        # as ProxyScorer runs it on an unpadded prompt: its autocast, no padding mask
+        _, t_mapper = timed(lambda: scorer._map(lambda: mapper(x.to(dev), attention_mask=None), dev), self.device)
         scores = torch.rand(1, full.layers[0].keys.shape[1], ids.shape[1], device=self.device)
 
         def compact():
