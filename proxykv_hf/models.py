@@ -14,6 +14,7 @@ weights, the tokenizer with its chat template, the generation config) under the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -80,8 +81,9 @@ def bundled_model_dir(*, cache_dir: str | os.PathLike | None = None) -> Path:
 
     The conversion runs once per cache root, in a temporary directory that is moved into place with
     ``os.replace`` when complete, under a lock file so that concurrent processes wait instead of converting twice.
-    A marker file records the source GGUF's size and mtime and the size of every written file; a directory whose
-    marker does not match (a reinstalled package, an interrupted copy) is converted again.
+    A marker file records the source GGUF's size, mtime and SHA-256 and the size of every written file; a directory
+    whose marker does not match (another version of the package, an interrupted copy) is converted again. The same
+    file installed elsewhere (another virtualenv: other mtime, same bytes) reuses the conversion.
 
     Args:
         cache_dir: the cache root; default ``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``.
@@ -219,7 +221,16 @@ def _resolve(name_or_path: str | os.PathLike, revision: str | None) -> tuple[str
 
 def _source_stamp(gguf_file: Path) -> dict[str, Any]:
     stat = gguf_file.stat()
-    return {"source": str(gguf_file), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
+    return {"source": str(gguf_file), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
+            "source_sha256": _sha256(gguf_file)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _is_valid(out: Path, gguf_file: Path, *, quiet: bool = False) -> bool:
@@ -236,9 +247,12 @@ def _cache_problem(out: Path, gguf_file: Path) -> str | None:
         return f"has no {_MARKER} (an interrupted or foreign copy)"
     try:
         meta = json.loads(marker.read_text())
-        stamp = _source_stamp(gguf_file)
-        if meta.get("format") != _MARKER_FORMAT or any(meta.get(k) != stamp[k]
-                                                       for k in ("source_size", "source_mtime_ns")):
+        stat = gguf_file.stat()
+        stale = meta.get("format") != _MARKER_FORMAT or meta.get("source_size") != stat.st_size
+        if not stale and meta.get("source_mtime_ns") != stat.st_mtime_ns:
+            # another install of the same package (a second virtualenv): same bytes, other mtime
+            stale = meta.get("source_sha256") != _sha256(gguf_file)
+        if stale:
             return f"is stale (converted from another version of {gguf_file})"
         for name, size in meta["files"].items():
             if (out / name).stat().st_size != size:

@@ -171,6 +171,16 @@ def test_conversion_runs_once_and_again_when_stale(fake_gguf, monkeypatch):
     (out / models._MARKER).write_text("not json")
     bundled_model_dir()
     assert len(calls) == 4
+    other = fake_gguf.parent.parent / "venv2" / "model.gguf"  # the same package installed in a second virtualenv
+    other.parent.mkdir()
+    other.write_bytes(fake_gguf.read_bytes())
+    os.utime(other, ns=(1, 1))
+    monkeypatch.setattr(models, "bundled_gguf_path", lambda: other)
+    assert bundled_model_dir() == out and len(calls) == 4  # same bytes: no second conversion
+    other.write_bytes(other.read_bytes()[:-1] + b"?")  # same size, other bytes
+    os.utime(other, ns=(2, 2))
+    bundled_model_dir()
+    assert len(calls) == 5
 
 
 def test_lock_excludes_a_second_holder(tmp_path):
