@@ -3,7 +3,8 @@
 ``L = l_bin * L_bin + l_mse * L_mse + l_fine * L_fine + l_global * L_global + l_cos * L_cos`` (+ ``l_list *
 L_list``, beyond the paper and off by default) over rows of scores: every leading index of ``(..., N)`` (e.g. one
 (batch, target layer, KV head)) is one row. The raw logit ``x`` feeds a sigmoid head ``sigmoid(x)`` (BCE, cosine)
-and a magnitude head ``sigmoid(x) * s_max`` (MSE); the two pairwise ranking terms act on logit differences ``x_i - x_j``.
+and a magnitude head ``sigmoid(x) * s_max`` (MSE); the two pairwise ranking terms act on logit differences
+``x_i - x_j``.
 
 Pairs for the ranking terms are drawn per row: all of them when a row has at most ``max_pairs`` candidate
 (ordered) pairs, otherwise ``max_pairs`` uniform samples with replacement from ``generator``; memory is
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._fields import check_known_fields
-from .metrics import expand_mask, order_desc, topk_count
+from .metrics import expand_mask, order_desc, ranks_of, topk_count
 
 COS_INPUTS = ("sigmoid", "logits")
 TERMS = ("bin", "mse", "fine", "global", "cos", "list")
@@ -105,8 +106,7 @@ class LossConfig:
 
 def bin_loss(x: Tensor, y: Tensor, valid: Tensor, order: Tensor, cfg: LossConfig) -> Tensor:
     """Multi-ratio BCE: ``sum_r (r_min / r)^gamma * mean_valid BCE(sigmoid(x), M_r*)``. All ``(R, N)``."""
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    ranks = ranks_of(order)
     n_valid = valid.sum(-1)  # (R,)
     total = x.new_zeros(())
     for r in cfg.ratios:
@@ -192,8 +192,7 @@ def cos_loss(x: Tensor, y: Tensor, valid: Tensor, cfg: LossConfig) -> Tensor:
 def list_loss(x: Tensor, y: Tensor, valid: Tensor, order: Tensor, cfg: LossConfig) -> Tensor:
     """Listwise Top-K term: ``KL(p || softmax(x))`` per row over real tokens, ``p`` = the oracle's top
     ``ceil(list_ratio * N_valid)`` scores normalised per row; mean over rows with positive top mass. All ``(R, N)``."""
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    ranks = ranks_of(order)
     top = (ranks < topk_count(valid.sum(-1), cfg.list_ratio)[:, None]) & valid  # (R, N)
     p = y.clamp_min(0) * top
     mass = p.sum(-1, keepdim=True)  # (R, 1)

@@ -50,7 +50,11 @@ def order_desc(scores: Tensor, valid: Tensor) -> Tensor:
 
 def rank_desc(scores: Tensor, valid: Tensor) -> Tensor:
     """Inverse of :func:`order_desc`: ``(R, N)`` rank of each token in its row (0 = best)."""
-    order = order_desc(scores, valid)
+    return ranks_of(order_desc(scores, valid))
+
+
+def ranks_of(order: Tensor) -> Tensor:
+    """Inverse permutation of ``order`` (e.g. from :func:`order_desc`): ``(R, N)`` rank of each token (0 = first)."""
     ranks = torch.empty_like(order)
     ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
     return ranks
