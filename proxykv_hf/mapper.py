@@ -279,13 +279,17 @@ class DirectPath(nn.Module):
                                                config.num_proxy_heads))
         self.bias = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads))
 
-    def forward(self, x_layer: Tensor, target_layer_idx: int, valid: Tensor | None = None) -> Tensor:
-        """x_layer ``(B, H_s, N)`` raw features, valid ``(B, N)`` bool -> ``(B, H_l, N)`` logits."""
-        f = transform_features(x_layer, self.transform)  # (B, H_s, N)
+    def features(self, x_layer: Tensor, valid: Tensor | None = None) -> Tensor:
+        """x_layer ``(B, H_s, N)`` raw features, valid ``(B, N)`` bool -> ``(B, H_s, N)`` transformed features,
+        centred per row over real tokens (0 on padding); shared by every target layer that reads this proxy layer."""
+        f = transform_features(x_layer.to(self.weight.dtype), self.transform)  # (B, H_s, N)
         keep = torch.ones_like(f[:, :1]) if valid is None else valid[:, None, :].to(f.dtype)  # (B, 1, N)
         mean = (f * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)  # (B, H_s, 1)
-        f = (f - mean) * keep
-        out = torch.einsum("hs,bsn->bhn", self.weight[target_layer_idx], f)  # (B, H_l, N)
+        return (f - mean) * keep
+
+    def forward(self, features: Tensor, target_layer_idx: int) -> Tensor:
+        """:meth:`features` of the paired proxy layer -> ``(B, H_l, N)`` logits of one target layer."""
+        out = torch.einsum("hs,bsn->bhn", self.weight[target_layer_idx], features)  # (B, H_l, N)
         return out + self.bias[target_layer_idx][None, :, None]
 
 
@@ -381,12 +385,12 @@ class HybridAxialMapper(nn.Module):
                              f"got {target_layer_idx}")
         self._check(x_layer, 3, attention_mask)
         out = self._head(self.encode(x_layer, attention_mask), target_layer_idx)
-        return out if self.direct is None else out + self._direct(x_layer, target_layer_idx, attention_mask)
+        if self.direct is None:
+            return out
+        return out + self.direct(self._direct_features(x_layer, attention_mask), target_layer_idx)
 
-    def _direct(self, x_layer: Tensor, target_layer_idx: int, attention_mask: Tensor | None) -> Tensor:
-        """The direct path's ``(B, H_l, N)`` logits for one target layer."""
-        valid = None if attention_mask is None else attention_mask.bool()
-        return self.direct(x_layer.to(dtype=self.direct.weight.dtype), target_layer_idx, valid)
+    def _direct_features(self, x_layer: Tensor, attention_mask: Tensor | None) -> Tensor:
+        return self.direct.features(x_layer, None if attention_mask is None else attention_mask.bool())
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None,
                 target_layers: list[int] | None = None) -> Tensor:
@@ -422,10 +426,11 @@ class HybridAxialMapper(nn.Module):
             zs = self.encode(x[:, ps].transpose(0, 1).flatten(0, 1), mask).view(len(ps), b, x.shape[-1], -1)
             for p, z in zip(ps, zs):  # z: (B, N, d_time)
                 shared = None if self.layer_embedding is not None else self._head(z, 0)
+                f = None if self.direct is None else self._direct_features(x[:, p], attention_mask)
                 for l in (l for l in dict.fromkeys(wanted) if pairs[l] == p):
                     scores[l] = self._head(z, l) if shared is None else shared
-                    if self.direct is not None:
-                        scores[l] = scores[l] + self._direct(x[:, p], l, attention_mask)
+                    if f is not None:
+                        scores[l] = scores[l] + self.direct(f, l)
         return torch.stack([scores[l] for l in wanted], dim=1)  # (B, len(wanted), H_l, N)
 
     def _check(self, x: Tensor, ndim: int, attention_mask: Tensor | None) -> None:
