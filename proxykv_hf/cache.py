@@ -437,15 +437,17 @@ class ProxyKVCache(DynamicCache):
         last = layer_idx == self.compactable_layers()[-1]
         if self.scorer.ready() or last:
             for i in self._deferred:  # scores computed beside the prefill are in: compact the layers that waited
-                self._compact(i, self.scorer.score(self._inputs(i, None, None, None, None, None, scaling)))
+                self._compact(i, self.scorer.score(self._inputs(i, scaling)))
             self._deferred = []
         elif self.scorer.query_free:  # a side stream is still scoring: do not make this stream wait for it
             self._deferred.append(layer_idx)
             return
-        self._compact(layer_idx, self.scorer.score(self._inputs(layer_idx, module, query, key, value,
-                                                                attention_mask, scaling)))
+        self._compact(layer_idx, self.scorer.score(self._inputs(layer_idx, scaling, module=module, query=query,
+                                                                key=key, value=value, attention_mask=attention_mask)))
 
-    def _inputs(self, layer_idx, module, query, key, value, attention_mask, scaling) -> LayerInputs:
+    def _inputs(self, layer_idx, scaling, *, module=None, query=None, key=None, value=None,
+                attention_mask=None) -> LayerInputs:
+        """The scorer's view of one layer; keys and values default to what the layer holds (a deferred layer)."""
         layer, T = self.layers[layer_idx], self.prefill_length
         key = layer.keys if key is None else key
         value = layer.values if value is None else value

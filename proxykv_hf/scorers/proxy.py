@@ -36,7 +36,7 @@ class ProxyScorer(Scorer):
         overlap: let the target finish its whole prefill while the proxy still runs, and compact all layers at the
             end (the target's full K/V is then held until the end of the prefill). None (default): only when the
             proxy runs on another device than the target. On one H100, where the target's prefill keeps the GPU
-            busy, overlapping saved no time and raised the peak prefill memory of an 8B/1B pair at 32k from 1.07x to
+            busy, overlapping saved no time and raised the peak prefill memory of an 8B/1B pair at 32k from 0.64x to
             1.19x the full cache's (docs/performance.md); with ``False`` the first compacted layer's stream waits on
             the proxy's event and every layer is compacted as soon as its attention has run.
     """
