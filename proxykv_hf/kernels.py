@@ -41,6 +41,21 @@ def available(query: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _tile(PTR, base, offs, n, stride, offs_d, d_ok):
+        """Rows ``offs`` (< ``n``) of a ``(n, D)`` matrix at ``PTR + base``, zero-padded to the tile."""
+        return tl.load(PTR + base + offs[:, None] * stride + offs_d[None, :], mask=(offs[:, None] < n) & d_ok[None, :],
+                       other=0.0)
+
+    @triton.jit
+    def _logits(q, k, IEEE: tl.constexpr):
+        """``q @ k^T`` of two tiles; ``IEEE`` keeps float32 inputs out of TF32."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        return s
+
+    @triton.jit
     def _row_lse_kernel(Q, K, LSE, sqb, sqh, sqm, skb, skh, skn, H, G, Q_LEN, T, OFFSET, scale_log2,
                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         IEEE: tl.constexpr):
@@ -49,24 +64,17 @@ if triton is not None:
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        hk = h // G
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                    mask=(offs_m[:, None] < Q_LEN) & d_ok[None, :], other=0.0)
+        q = _tile(Q, b * sqb + h * sqh, offs_m, Q_LEN, sqm, offs_d, d_ok)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         end = tl.minimum(T, (pid_m + 1) * BLOCK_M + OFFSET)  # keys after the tile's last query are never seen
         for n0 in range(0, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
-                        mask=(offs_n[:, None] < T) & d_ok[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale_log2
+            k = _tile(K, b * skb + (h // G) * skh, offs_n, T, skn, offs_d, d_ok)
+            s = _logits(q, k, IEEE) * scale_log2
             seen = (offs_n[None, :] < T) & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -84,25 +92,18 @@ if triton is not None:
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        hk = h // G
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :],
-                    mask=(offs_n[:, None] < T) & d_ok[None, :], other=0.0)
+        k = _tile(K, b * skb + (h // G) * skh, offs_n, T, skn, offs_d, d_ok)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = tl.maximum(pid_n * BLOCK_N - OFFSET, 0)  # the first query that can see this tile
         for m0 in range((first // BLOCK_M) * BLOCK_M, Q_LEN, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < Q_LEN
-            q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            q = _tile(Q, b * sqb + h * sqh, offs_m, Q_LEN, sqm, offs_d, d_ok)
             lse = tl.load(LSE + bh * Q_LEN + offs_m, mask=m_ok, other=float("inf"))
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            p = tl.exp2(s * scale_log2 - lse[:, None])
+            p = tl.exp2(_logits(q, k, IEEE) * scale_log2 - lse[:, None])
             seen = m_ok[:, None] & (offs_n[None, :] < T) & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
             p = tl.where(seen, p, 0.0)
             if HAS_VALID:
