@@ -169,7 +169,7 @@ class Bench:
         return cache
 
     @torch.no_grad()
-    def _decode(self, cache: ProxyKVCache, n: int) -> dict:
+    def _decode(self, cache: ProxyKVCache) -> dict:
         """ms/token over ``decode_tokens`` greedy steps: eager (the plain ``transformers`` loop) and, on CUDA with
         ``decode_graphs``, replayed CUDA graphs over static buffers (``graph.StaticDecoder``: the GPU's own time)."""
         steps = self.config.decode_tokens
@@ -243,7 +243,7 @@ class Bench:
                        "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": mem.peak,
                        "kv_bytes": cache.nbytes()}
                 if cfg.decode_tokens:
-                    row.update(self._decode(cache, n))
+                    row.update(self._decode(cache))
                 if method == "full":
                     base = row
                     if self.proxy_parts is not None and "proxykv" in cfg.methods:
