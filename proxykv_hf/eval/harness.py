@@ -140,6 +140,8 @@ class Harness:
         self.out.mkdir(parents=True, exist_ok=True)
         self.results_path = self.out / "results.jsonl"
         self.scorers = {m: build_method(m, model, self.options) for m in config.methods}
+        # the sinks of the stored KVzip scores, also when a later run adds methods without KVzip itself
+        self.oracle_sink = (self.scorers.get("kvzip") or build_method("kvzip", model, self.options)).n_sink
 
     def _done(self) -> set[tuple]:
         done = set()
@@ -233,7 +235,7 @@ class Harness:
                     n_sink = scorer.n_sink if scorer is not None else 0
                     n_recent = scorer.n_recent if scorer is not None else 0
                     rec.update(fidelity(scores if method != "full" else {}, oracle, valid, ratio, n_sink, n_recent,
-                                        self.scorers["kvzip"].n_sink))
+                                        self.oracle_sink))
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
 
