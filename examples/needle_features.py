@@ -14,14 +14,14 @@ at once (~4.5 GB at 2k tokens).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_proxies import needle_positions, rank_percentile  # noqa: E402
+from compare_proxies import needle_positions  # noqa: E402
+from needle_rank import needle_rank  # noqa: E402
 
 from proxykv_hf.eval import tasks as task_lib  # noqa: E402
 from proxykv_hf.models import load_model_and_tokenizer  # noqa: E402
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     ns = p.parse_args(argv)
     model, tok = load_model_and_tokenizer()
     model.config._attn_implementation = "eager"
-    rows: dict[str, list[tuple[float, float, float, float]]] = {}
+    items: dict[str, list[dict]] = {}  # per reduction, needle_rank's items: {"x": (L, H, N), "pos"}
     for task in ns.tasks:
         for sample in task_lib.generate(task, ns.n_samples, ns.tokens, tok, ns.seed):
             ids, pos = needle_positions(sample, tok)
@@ -62,17 +62,14 @@ def main(argv=None) -> None:
             for name in per_layer[0]:
                 x = torch.stack([f[name] for f in per_layer])  # (L, H, N)
                 x[..., :N_SINK] = -1.0
-                ranks = rank_percentile(x, pos)  # (L, H)
-                best, mean = ranks.min(-1).values, ranks.mean(-1)
-                rows.setdefault(name, []).append((float(best.min()), float(best.median()),
-                                                  float(mean.min()), float(mean.median())))
-            del attentions
+                items.setdefault(name, []).append({"x": x, "pos": pos})
+            del attentions, per_layer
     print(f"{', '.join(ns.tasks)}: {ns.n_samples} samples each, ~{ns.tokens} tokens, seed {ns.seed}")
     print("| reduction | best head: best layer | best head: median layer | head mean: best layer | head mean: median layer |")
     print("|---|---|---|---|---|")
-    for name, vals in rows.items():
-        cells = " | ".join(f"{statistics.mean(v[i] for v in vals):.3f}" for i in range(4))
-        print(f"| {name} | {cells} |")
+    for name, its in items.items():
+        figures = [*needle_rank(lambda x: x, its, best_head=True), *needle_rank(lambda x: x, its, best_head=False)]
+        print(f"| {name} | " + " | ".join(f"{v:.3f}" for v in figures) + " |")
 
 
 if __name__ == "__main__":
