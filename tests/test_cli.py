@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from proxykv_hf.cli import main
 

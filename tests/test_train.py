@@ -422,3 +422,22 @@ def test_training_after_another_accelerator_in_the_same_process(self_data, tmp_p
     Accelerator(cpu=True, mixed_precision="bf16")
     ckpt = train_mapper(self_data, tmp_path, mapper_config_for(self_data, "tiny"), fast_train(max_steps=2))
     assert ckpt.training["steps"] == 2
+
+
+def test_plot_training_without_matplotlib_warns(tmp_path, monkeypatch, caplog):
+    import builtins
+
+    from proxykv_hf.train.evaluate import plot_training
+
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"kind": "step", "step": 1, "loss": 1.0}) + "\n")
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert plot_training(log, tmp_path / "t.png") is None
+    assert "matplotlib is not installed" in caplog.text and not (tmp_path / "t.png").exists()

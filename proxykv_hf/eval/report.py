@@ -49,7 +49,7 @@ def markdown(records: list[dict], held_out: list[str] | tuple[str, ...] = ()) ->
     for m in methods:
         if m == "full":
             full = table[("full", 1.0)]["all"]
-            lines.append(f"| full cache | " + " | ".join(f"{100 * full:.1f}" for _ in ratios) + " |")
+            lines.append("| full cache | " + " | ".join(f"{100 * full:.1f}" for _ in ratios) + " |")
             continue
         lines.append(f"| {m} | " + " | ".join(f"{100 * table.get((m, r), {}).get('all', float('nan')):.1f}"
                                                for r in ratios) + " |")

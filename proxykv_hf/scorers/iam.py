@@ -20,7 +20,7 @@ import torch
 
 from ..proxy import every_kth_layer, layer_subset
 from .base import LayerInputs, Prompt, Scorer
-from .kvzip import KVzipScorer, full_attention_layers, kvzip_scores
+from .kvzip import full_attention_layers, kvzip_scores
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,10 @@ import bisect
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 from safetensors import safe_open
 from torch.utils.data import Dataset, Subset
 

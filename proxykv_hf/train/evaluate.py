@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -13,6 +14,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from .losses import TERMS, LossConfig, hybrid_loss
 from .metrics import mass_recovery, topk_recall
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
