@@ -6,7 +6,9 @@
 Same measure as ``examples/compare_proxies.py`` (percentile of the mean rank of the answer's context tokens among
 all context tokens, 0 = top, 0.5 = chance; "best layer" / "median layer" over the 30 layers, mapper scores averaged
 over the 3 KV heads, raw features: best head of each layer), but the self-proxy features of the samples are computed
-once and cached (``--cache``), so comparing mapper variants costs seconds. No KVzip pass.
+once and cached (``--cache``), so comparing mapper variants costs seconds. No KVzip pass. The cache holds the
+attention sums and maxima (``statistics=("sum", "max")``); a mapper reads the rows it was trained on. A cache
+written before it held the maxima serves sum-only mappers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from proxykv_hf.hub import load_checkpoint  # noqa: E402
 
 
 def cached_features(tasks: list[str], n: int, tokens: int, seed: int, cache: Path) -> list[dict]:
-    """``[{"task", "x" (30, 9, N), "pos"}]`` for the samples, from ``cache`` if it exists."""
+    """``[{"task", "x" (30, 2 * 9, N) sums then maxima, "pos"}]`` for the samples, from ``cache`` if it exists."""
     if cache.is_file():
         return torch.load(cache, weights_only=False)
     from proxykv_hf.models import load_model_and_tokenizer
@@ -38,7 +40,8 @@ def cached_features(tasks: list[str], n: int, tokens: int, seed: int, cache: Pat
         for sample in task_lib.generate(task, n, tokens, tok, seed):
             ids, pos = needle_positions(sample, tok)
             with torch.no_grad():
-                items.append({"task": task, "x": proxy_features(model, ids)[0].half(), "pos": pos})
+                x = proxy_features(model, ids, statistics=("sum", "max"))[0].half()
+                items.append({"task": task, "x": x, "pos": pos})
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save(items, cache)
     return items
@@ -70,11 +73,16 @@ def main(argv=None) -> None:
     print(f"{','.join(ns.tasks)}, {ns.n_samples} samples per task of ~{ns.tokens} tokens, seed {ns.seed}: "
           "needle rank percentile (0 = top, 0.5 = chance)")
     print(f"{'source':<60} {'best layer':>10} {'median layer':>12}")
-    b, m = needle_rank(lambda x: x, items, best_head=True)
+    heads = 9  # SmolLM2's query heads: the first 9 rows are the sums
+    b, m = needle_rank(lambda x: x[:, :heads], items, best_head=True)
     print(f"{'self features (best head)':<60} {b:>10.3f} {m:>12.3f}")
     for path in ns.mappers:
         mapper = load_checkpoint(path).mapper.eval()
-        b, m = needle_rank(lambda x: mapper(x[None])[0], items)
+        rows = mapper.config.num_features
+        if items[0]["x"].shape[1] < rows:
+            raise SystemExit(f"{path} reads {rows} feature rows; the cache {cache} holds "
+                             f"{items[0]['x'].shape[1]}: write a new one")
+        b, m = needle_rank(lambda x: mapper(x[None, :, :rows])[0], items)
         print(f"{path:<60} {b:>10.3f} {m:>12.3f}")
 
 

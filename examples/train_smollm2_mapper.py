@@ -26,26 +26,6 @@ from proxykv_hf.train import DataConfig, TrainConfig, build_dataset, mapper_conf
 HELD_OUT = ("vt", "qa")
 
 
-def _stored_y(data_dir: Path) -> list[torch.Tensor]:
-    """Per text (in build order), the full oracle Y `(L, H_kv, T)` reassembled from a dataset's crops."""
-    from safetensors import safe_open
-
-    crops: dict[int, list] = {}
-    for shard in sorted(data_dir.glob("shard-*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            y, text, start, length = (f.get_tensor(k) for k in ("y", "text", "start", "length"))
-        for i in range(len(text)):
-            crops.setdefault(int(text[i]), []).append((int(start[i]), int(length[i]), y[i]))
-    out = []
-    for t in sorted(crops):
-        T = max(s + n for s, n, _ in crops[t])
-        full = torch.zeros(crops[t][0][2].shape[0], crops[t][0][2].shape[1], T)
-        for s, n, y in crops[t]:
-            full[:, :, s:s + n] = y[:, :, :n].float()
-        out.append(full)
-    return out
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/smollm2")
@@ -58,6 +38,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--mapper-crop", type=int, default=512, help="the mapper encoder's window (memory ~ window^2)")
     p.add_argument("--reuse-y", default=None, help="a dataset built before from the same texts: take Y from it")
+    p.add_argument("--statistics", nargs="+", default=["sum"], choices=["sum", "max"],
+                   help="attention statistics stored as proxy features")
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     out = Path(ns.out)
@@ -66,27 +48,19 @@ def main(argv=None) -> None:
     texts = list(texts_from_tasks(tasks, ns.n_per_task, ns.tokens, tok, seed=ns.seed))
     memo: dict = {}
 
-    stored = _stored_y(Path(ns.reuse_y)) if ns.reuse_y else None
-
     @functools.wraps(kvzip_scores)  # the manifest records the oracle by name: kvzip_scores, not this local memo
     def oracle(m, ids, mask, tokenizer=None, **kw):  # one KVzip pass per text, shared by both datasets
         key = ids.cpu().numpy().tobytes()
         if key not in memo:
-            if stored is not None:  # texts come in the same order as when the stored dataset was built
-                y = stored[len(memo)]
-                if y.shape[-1] != ids.shape[-1]:
-                    raise ValueError("--reuse-y dataset was built from other texts")
-                memo[key] = y[:, None]  # (L, 1, H_kv, T)
-            else:
-                memo[key] = kvzip_scores(m, ids, mask, tokenizer=tokenizer, **kw)
+            memo[key] = kvzip_scores(m, ids, mask, tokenizer=tokenizer, **kw)
         return memo[key]
 
     summary = {"train_tasks": tasks, "held_out_families": list(HELD_OUT), "texts": len(texts)}
     for kind in ns.kinds:
         cfg = DataConfig(crop_len=ns.crop_len, stride=ns.crop_len // 2, proxy_kind=kind, layer_stride=3,
-                         target_model_id="smollm2-135m-instruct")
+                         target_model_id="smollm2-135m-instruct", proxy_statistics=ns.statistics)
         t0 = time.time()
-        manifest = build_dataset(texts, model, tok, out / f"data-{kind}", cfg, oracle=oracle)
+        manifest = build_dataset(texts, model, tok, out / f"data-{kind}", cfg, oracle=oracle, scores_from=ns.reuse_y)
         summary[f"data_{kind}_s"] = round(time.time() - t0, 1)
         summary[f"data_{kind}"] = manifest.summary()
         mcfg = mapper_config_for(out / f"data-{kind}", "small", crop_len=ns.mapper_crop, stride=ns.mapper_crop // 2)

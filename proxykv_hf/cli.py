@@ -170,7 +170,7 @@ def cmd_build_data(ns) -> int:
         from .models import load_model
 
         proxy = load_model(cfg.proxy_model_id, dtype=_dtype(ns.dtype), device=ns.device)
-    manifest = build_dataset(texts, model, tok, ns.out, cfg, proxy=proxy)
+    manifest = build_dataset(texts, model, tok, ns.out, cfg, proxy=proxy, scores_from=ns.scores_from)
     print(json.dumps(manifest.summary(), indent=2))
     return 0
 
@@ -278,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--scores-from", default=None, metavar="DIR",
+                   help="a dataset built before from the same texts and target: reuse its oracle scores")
     p.set_defaults(fn=cmd_build_data)
 
     p = sub.add_parser("train", help="train a HybridAxialMapper on built data")

@@ -64,6 +64,14 @@ class Checkpoint:
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        cfg = self.mapper.config
+        got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
+        want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
+        if got != want:
+            raise ValueError(f"the mapper reads (proxy layers, heads, statistics) = {got}, but its proxy gives "
+                             f"{want} ({self.proxy.statistics})")
+
     def check_target(self, config) -> None:
         """Raise if a target model's config does not match the one the mapper was trained for."""
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -92,6 +100,7 @@ def _card(ckpt: Checkpoint) -> str:
         "| | |", "|---|---|",
         f"| target | `{ckpt.target.model_id}` ({ckpt.target.num_layers} layers, {ckpt.target.num_kv_heads} KV heads) |",
         f"| proxy | {ckpt.proxy.kind}: `{ckpt.proxy.model_id or ckpt.proxy.layers or 'target attention'}` |",
+        f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,} |",
     ]
     for key, value in sorted(ckpt.training.items()):

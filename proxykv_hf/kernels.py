@@ -5,7 +5,8 @@ probabilities to memory. Two passes, each a tiled ``Q K^T`` on the tensor cores 
 
 1. per query row, the log-sum-exp of its logits over the keys it sees (an online max / sum, as in
    flash-attention's forward, without the values);
-2. per key tile, a loop over the query tiles that see it: ``exp(logit - lse)`` summed over the queries.
+2. per key tile, a loop over the query tiles that see it: ``exp(logit - lse)`` summed over the queries (and, on
+   request, its maximum over the queries other than the key's own position: the ``"max"`` statistic).
 
 Memory beyond the inputs is the ``(B, H, Q)`` log-sum-exp and the ``(B, H, T)`` output. The PyTorch path in
 :mod:`proxykv_hf.scoring` stays the reference: ``tests/test_kernels.py`` checks the two agree (on a GPU, and on
@@ -84,10 +85,11 @@ if triton is not None:
         tl.store(LSE + bh * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
 
     @triton.jit
-    def _column_sum_kernel(Q, K, LSE, VALID, OUT, sqb, sqh, sqm, skb, skh, skn, H, G, Q_LEN, T, OFFSET, scale_log2,
-                           HAS_VALID: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-        """Pass 2: for one key tile of one query head, the probabilities summed over every query that sees it."""
+    def _column_sum_kernel(Q, K, LSE, VALID, OUT, OUT_MAX, sqb, sqh, sqm, skb, skh, skn, H, G, Q_LEN, T, OFFSET,
+                           scale_log2, HAS_VALID: tl.constexpr, HAS_MAX: tl.constexpr, D: tl.constexpr,
+                           D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+        """Pass 2: for one key tile of one query head, the probabilities summed over every query that sees it (and
+        with ``HAS_MAX`` their maximum over the queries other than the key's own position)."""
         pid_n = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -97,6 +99,7 @@ if triton is not None:
         d_ok = offs_d < D
         k = _tile(K, b * skb + (h // G) * skh, offs_n, T, skn, offs_d, d_ok)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        top = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = tl.maximum(pid_n * BLOCK_N - OFFSET, 0)  # the first query that can see this tile
         for m0 in range((first // BLOCK_M) * BLOCK_M, Q_LEN, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -110,13 +113,19 @@ if triton is not None:
                 w = tl.load(VALID + b * Q_LEN + offs_m, mask=m_ok, other=0.0)
                 p = p * w[:, None]
             acc += tl.sum(p, 0)
+            if HAS_MAX:
+                other = offs_n[None, :] < offs_m[:, None] + OFFSET  # strictly before the query's own key
+                top = tl.maximum(top, tl.max(tl.where(other, p, 0.0), 0))
         tl.store(OUT + bh * T + offs_n, acc, mask=offs_n < T)
+        if HAS_MAX:
+            tl.store(OUT_MAX + bh * T + offs_n, top, mask=offs_n < T)
 
 
 def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float,
                           query_valid: torch.Tensor | None = None, *, block_m: int | None = None,
                           block_n: int | None = None, num_warps: int = 4,
-                          num_stages: int | None = None) -> torch.Tensor:
+                          num_stages: int | None = None,
+                          with_max: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused causal attention column sums (queries at the last ``Q`` of the ``T`` key positions).
 
     Args:
@@ -127,12 +136,13 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
         block_m, block_n: query and key tile sizes (powers of two, >= 16); default 128 (64 for head dims above
             128).
         num_warps, num_stages: Triton launch settings; default stages 3 for head dims up to 64, else 2.
+        with_max: also return each key's maximum probability over the queries other than its own position.
 
     The defaults are the fastest of a sweep on an H100 at 32k tokens (docs/performance.md): 128 x 128 tiles took
     18.3 ms (D = 64, 32 heads) and 20.7 ms (D = 128, 28 heads) against 20.7 and 24.0 ms for 64 x 64.
 
     Returns:
-        float32 `(B, H, T)`.
+        float32 sums `(B, H, T)`, or ``(sums, maxima)`` with ``with_max``.
     """
     if triton is None:
         raise RuntimeError("the fused attention sums need Triton (it ships with CUDA builds of PyTorch)")
@@ -151,6 +161,7 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     num_stages = num_stages or (3 if D <= 64 else 2)
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=query.device)
     out = torch.empty(B, H, T, dtype=torch.float32, device=query.device)
+    top = torch.empty_like(out) if with_max else None
     valid = None if query_valid is None else query_valid.to(device=query.device, dtype=torch.float32).contiguous()
     common = dict(D=D, D_PAD=max(16, triton.next_power_of_2(D)), IEEE=query.dtype == torch.float32,
                   num_warps=num_warps, num_stages=num_stages)
@@ -159,6 +170,7 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     _row_lse_kernel[(triton.cdiv(Q, block_m), B * H)](
         query, key, lse, *strides, H, H // H_kv, Q, T, T - Q, scale_log2, BLOCK_M=block_m, BLOCK_N=block_n, **common)
     _column_sum_kernel[(triton.cdiv(T, block_n), B * H)](
-        query, key, lse, valid if valid is not None else lse, out, *strides, H, H // H_kv, Q, T, T - Q, scale_log2,
-        HAS_VALID=valid is not None, BLOCK_M=block_m, BLOCK_N=block_n, **common)
-    return out
+        query, key, lse, valid if valid is not None else lse, out, top if with_max else out, *strides, H, H // H_kv,
+        Q, T, T - Q, scale_log2, HAS_VALID=valid is not None, HAS_MAX=with_max, BLOCK_M=block_m, BLOCK_N=block_n,
+        **common)
+    return (out, top) if with_max else out

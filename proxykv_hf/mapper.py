@@ -11,7 +11,9 @@ Paper section "HybridAxialMapper architecture". One shared network maps the feat
 
 ``H_l`` counts the target's KV heads (ERRATA 4). Target layer ``l`` (1-based) reads proxy layer
 ``ceil(l * L_s / L_l)``; without ``layer_embedding`` target layers sharing a proxy layer get identical
-scores, as in the paper (ERRATA 3). Scores follow the package convention: higher means keep.
+scores, as in the paper (ERRATA 3). Scores follow the package convention: higher means keep. Where the
+features carry more than the attention sum (``MapperConfig.num_statistics``), read ``H_s`` below as the
+``num_statistics * H_s`` feature rows of a layer wherever the input is meant.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class MapperConfig:
     in the next); the direct path can, and it passes a one-token spike through unsmoothed. ``W`` and ``b`` start at
     zero, so the path is a no-op at initialisation and a trained mapper can be fine-tuned with it
     (``docs/training.md``).
+
+    Also beyond the paper: ``num_statistics`` feature rows per proxy head (``ProxySpec.statistics``): 1 reads the
+    paper's attention sums, 2 the sums and the per-key maximum attention (``proxykv_hf.scoring``). The features
+    then hold ``num_statistics * num_proxy_heads`` rows per layer; the stem and the direct path read them all, the
+    head stage still attends over ``num_proxy_heads`` slots.
     """
 
     num_proxy_layers: int
@@ -89,6 +96,7 @@ class MapperConfig:
     head_stage: bool = True
     layer_embedding: bool = False
     direct_path: bool = False
+    num_statistics: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -128,6 +136,11 @@ class MapperConfig:
                         d_time=32, stem_hidden=16, num_encoder_layers=1, num_encoder_heads=2, d_head=8,
                         crop_len=64, stride=32, dropout=0.0)
         return cls(**{**defaults, **kwargs})
+
+    @property
+    def num_features(self) -> int:
+        """Feature rows per proxy layer: ``num_statistics * num_proxy_heads``."""
+        return self.num_statistics * self.num_proxy_heads
 
     def pairing(self) -> list[int]:
         """0-based proxy layer read by each target layer: ``ceil(l * L_s / L_l) - 1`` for 1-based ``l``."""
@@ -188,12 +201,12 @@ class ConvStem(nn.Module):
         super().__init__()
         self.transform = config.input_transform
         if config.conv_stem:
-            self.conv1 = nn.Conv1d(config.num_proxy_heads, config.stem_hidden, kernel_size=3, padding=1)
+            self.conv1 = nn.Conv1d(config.num_features, config.stem_hidden, kernel_size=3, padding=1)
             self.bn1 = nn.BatchNorm1d(config.stem_hidden)
             self.conv2 = nn.Conv1d(config.stem_hidden, config.d_time, kernel_size=3, padding=1)
             self.bn2 = nn.BatchNorm1d(config.d_time)
         else:
-            self.conv1 = nn.Conv1d(config.num_proxy_heads, config.d_time, kernel_size=1)
+            self.conv1 = nn.Conv1d(config.num_features, config.d_time, kernel_size=1)
             self.bn1 = self.conv2 = self.bn2 = None
 
     def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -276,7 +289,7 @@ class DirectPath(nn.Module):
         super().__init__()
         self.transform = config.input_transform
         self.weight = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads,
-                                               config.num_proxy_heads))
+                                               config.num_features))
         self.bias = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads))
 
     def features(self, x_layer: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -317,6 +330,11 @@ class HybridAxialMapper(nn.Module):
             self.layer_embedding = nn.Embedding(config.num_target_layers, config.d_time)
             nn.init.normal_(self.layer_embedding.weight, std=0.02)
         self.direct = DirectPath(config) if config.direct_path else None
+
+    @property
+    def num_features(self) -> int:
+        """Feature rows per proxy layer: ``num_statistics * num_proxy_heads``."""
+        return self.num_statistics * self.num_proxy_heads
 
     def pairing(self) -> list[int]:
         """0-based proxy layer read by each target layer (see :meth:`MapperConfig.pairing`)."""
@@ -435,7 +453,7 @@ class HybridAxialMapper(nn.Module):
 
     def _check(self, x: Tensor, ndim: int, attention_mask: Tensor | None) -> None:
         cfg = self.config
-        expected = (cfg.num_proxy_layers, cfg.num_proxy_heads)[4 - ndim:]
+        expected = (cfg.num_proxy_layers, cfg.num_features)[4 - ndim:]
         if x.dim() != ndim or tuple(x.shape[1:-1]) != expected:
             raise ValueError(f"expected features of shape (B, {', '.join(map(str, expected))}, N), "
                              f"got {tuple(x.shape)}")

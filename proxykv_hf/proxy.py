@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import attention
-from .scoring import attention_sums
+from .scoring import STATISTICS, attention_sums
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class ProxySpec:
         layers: target layer indices the proxy runs (kind ``"layers"``); None = all.
         num_layers: L_s, the number of proxy layers the mapper reads.
         num_heads: H_s, query heads per proxy layer.
+        statistics: per-key statistics of each head's attention the mapper reads (:data:`~proxykv_hf.scoring.
+            STATISTICS`): ``["sum"]`` (the paper's feature) or e.g. ``["sum", "max"]``; the features then hold
+            ``len(statistics) * H_s`` rows per layer, statistic-major.
     """
 
     kind: str
@@ -47,6 +50,7 @@ class ProxySpec:
     num_heads: int
     model_id: str | None = None
     layers: list[int] | None = field(default=None)
+    statistics: list[str] = field(default_factory=lambda: ["sum"])
 
     def __post_init__(self):
         if self.kind not in PROXY_KINDS:
@@ -55,6 +59,15 @@ class ProxySpec:
             raise ValueError("a 'layers' proxy needs a non-empty list of layer indices")
         if self.layers is not None and len(self.layers) != self.num_layers:
             raise ValueError(f"num_layers ({self.num_layers}) must equal len(layers) ({len(self.layers)})")
+        self.statistics = list(self.statistics)
+        if not self.statistics or len(set(self.statistics)) != len(self.statistics) or any(
+                s not in STATISTICS for s in self.statistics):
+            raise ValueError(f"statistics must be distinct names from {STATISTICS}, got {self.statistics!r}")
+
+    @property
+    def num_features(self) -> int:
+        """Feature rows per proxy layer: ``len(statistics) * num_heads``."""
+        return len(self.statistics) * self.num_heads
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,10 +90,12 @@ def every_kth_layer(num_layers: int, k: int) -> list[int]:
 class _Capture:
     """Pending call that records one layer's attention sums (see :mod:`proxykv_hf.attention`)."""
 
-    __slots__ = ("sink", "layer_idx", "valid", "chunk_size")
+    __slots__ = ("sink", "layer_idx", "valid", "chunk_size", "statistics")
 
-    def __init__(self, sink: dict, layer_idx: int, valid: torch.Tensor | None, chunk_size: int):
+    def __init__(self, sink: dict, layer_idx: int, valid: torch.Tensor | None, chunk_size: int,
+                 statistics: tuple[str, ...]):
         self.sink, self.layer_idx, self.valid, self.chunk_size = sink, layer_idx, valid, chunk_size
+        self.statistics = statistics
 
     def before(self, module, attention_mask, query, key):
         return attention_mask
@@ -88,20 +103,20 @@ class _Capture:
     def after(self, module, query, key, value, attention_mask, scaling):
         valid = None if self.valid is None else self.valid.to(query.device)
         self.sink[self.layer_idx] = attention_sums(query, key, attention_mask, scaling, query_valid=valid,
-                                                   chunk_size=self.chunk_size)
+                                                   chunk_size=self.chunk_size, statistics=self.statistics)
 
 
 class FeatureCache(DynamicCache):
     """A cache that stores nothing: it lets each layer attend over its own prompt K/V, records the attention sums,
     and drops the K/V right away (the proxy's memory premium is one layer's K/V plus one chunk of probabilities)."""
 
-    def __init__(self, valid: torch.Tensor | None, chunk_size: int = 256):
+    def __init__(self, valid: torch.Tensor | None, chunk_size: int = 256, statistics: tuple[str, ...] = ("sum",)):
         super().__init__()
         self.sums: dict[int, torch.Tensor] = {}
-        self.valid, self.chunk_size = valid, chunk_size
+        self.valid, self.chunk_size, self.statistics = valid, chunk_size, tuple(statistics)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size))
+        attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size, self.statistics))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -154,7 +169,8 @@ def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
 
 @torch.no_grad()
 def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   *, layers: list[int] | None = None, chunk_size: int = 256) -> torch.Tensor:
+                   *, layers: list[int] | None = None, chunk_size: int = 256,
+                   statistics: tuple[str, ...] | list[str] = ("sum",)) -> torch.Tensor:
     """Run ``model`` (or the subset ``layers`` of it) on the prompt and return the attention sums.
 
     Args:
@@ -163,9 +179,10 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         attention_mask: `(B, N)` 1 = real token.
         layers: run only these decoder layers (a layer-subset proxy); None = all layers.
         chunk_size: queries per chunk.
+        statistics: per-key statistics of the attention (see :func:`~proxykv_hf.scoring.attention_sums`).
 
     Returns:
-        float32 `(B, L_s, H_s, N)`; rows of padding keys are zero.
+        float32 `(B, L_s, S * H_s, N)` for ``S = len(statistics)`` (statistic-major); rows of padding keys are zero.
     """
     attention.use_proxykv_attention(model)
     decoder = decoder_of(model) if layers is None else layer_subset(model, layers)
@@ -173,7 +190,7 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         attention_mask = torch.ones_like(input_ids)
     valid = attention_mask.to(torch.bool)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    cache = FeatureCache(valid, chunk_size)
+    cache = FeatureCache(valid, chunk_size, tuple(statistics))
     decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True)
     order = sorted(cache.sums)  # captured under the layers' own indices

@@ -3,7 +3,9 @@
 ``X[b, h, n] = sum_q softmax(Q K^T * scaling + mask)[b, h, q, n]``
 
 This is the proxy feature of the ProxyKV paper (one row per layer and query head) and the raw material of
-several scorers. The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the
+several scorers. Beside the sum, the same pass can return the *maximum* probability a key receives from any query
+other than its own position (statistic ``"max"``): a needle that one later query looks at hard but few others do
+stands out there more than in the sum (``examples/needle_features.py``; KVzip's oracle is a maximum too). The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the
 causal unmasked case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never
 write the probabilities to memory.
 """
@@ -16,6 +18,7 @@ from . import kernels
 
 _REDUCTIONS = ("none", "mean", "sum", "max")
 BACKENDS = ("auto", "torch", "triton")
+STATISTICS = ("sum", "max")
 
 
 def _chunk_bias(
@@ -60,6 +63,7 @@ def attention_sums(
     chunk_size: int = 256,
     group_reduce: str = "none",
     backend: str = "auto",
+    statistics: tuple[str, ...] | list[str] = ("sum",),
 ) -> torch.Tensor:
     """Sum of softmax attention probabilities over queries, per head and key.
 
@@ -75,10 +79,17 @@ def attention_sums(
             `(B, H, T)`; ``"mean"``, ``"sum"`` or ``"max"`` return `(B, H_kv, T)`.
         backend: ``"torch"`` (the reference), ``"triton"`` (fused kernels; needs ``attention_mask=None`` and a GPU
             or Triton's interpreter) or ``"auto"``: Triton where it applies, else torch.
+        statistics: which per-key statistics over the queries, in this order: ``"sum"`` (the probabilities summed
+            over queries) and/or ``"max"`` (their maximum over the queries other than the key's own position,
+            i.e. query ``q`` never counts for key ``q + T - Q``; 0 where no other query sees the key).
 
     Returns:
-        float32 sums `(B, H, T)` or `(B, H_kv, T)`.
+        float32 `(B, S * H, T)` or `(B, S * H_kv, T)` for ``S = len(statistics)``: statistic-major, so with the
+        default ``("sum",)`` the sums `(B, H, T)` or `(B, H_kv, T)`.
     """
+    statistics = tuple(statistics)
+    if not statistics or len(set(statistics)) != len(statistics) or any(s not in STATISTICS for s in statistics):
+        raise ValueError(f"statistics must be distinct names from {STATISTICS}, got {statistics!r}")
     if group_reduce not in _REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {_REDUCTIONS}, got {group_reduce!r}")
     if chunk_size < 1:
@@ -95,10 +106,13 @@ def attention_sums(
     if backend == "triton" and not fused:
         raise ValueError("the triton backend needs attention_mask=None (causal), T >= Q, and a GPU with Triton")
     if fused and backend != "torch":
-        return _reduce(kernels.causal_attention_sums(query, key, scaling, query_valid).view(B, H_kv, G, T),
-                       group_reduce)
+        total, peak = kernels.causal_attention_sums(query, key, scaling, query_valid, with_max=True) \
+            if "max" in statistics else (kernels.causal_attention_sums(query, key, scaling, query_valid), None)
+        found = {"sum": total, "max": peak}
+        return torch.cat([_reduce(found[s].view(B, H_kv, G, T), group_reduce) for s in statistics], dim=1)
     k = key.float()
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
+    peak = torch.zeros_like(out) if "max" in statistics else None
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     for q0 in range(0, Q, chunk_size):
         q1 = min(q0 + chunk_size, Q)
@@ -111,7 +125,12 @@ def attention_sums(
         if query_valid is not None:
             probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
         out[..., :t_end] += probs.sum(dim=3)
-    return _reduce(out, group_reduce)
+        if peak is not None:
+            own = torch.arange(t_end, device=query.device)[None, :] == (
+                torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end): the query's own key
+            peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.masked_fill_(own, 0.0).amax(dim=3))
+    found = {"sum": out, "max": peak}
+    return torch.cat([_reduce(found[s], group_reduce) for s in statistics], dim=1)
 
 
 def _reduce(out: torch.Tensor, group_reduce: str) -> torch.Tensor:

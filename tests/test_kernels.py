@@ -29,6 +29,10 @@ def _compare(device, dtype, atol):
         torch.testing.assert_close(got, ref, atol=atol, rtol=1e-3)
         grouped = attention_sums(q, k, None, D**-0.5, query_valid=valid, group_reduce="max", backend="triton")
         torch.testing.assert_close(grouped, ref.view(B, H_kv, H // H_kv, T).amax(2), atol=atol, rtol=1e-3)
+        both_ref = attention_sums(q, k, None, D**-0.5, query_valid=valid, statistics=("max", "sum"), backend="torch")
+        both = attention_sums(q, k, None, D**-0.5, query_valid=valid, statistics=("max", "sum"), backend="triton")
+        torch.testing.assert_close(both, both_ref, atol=atol, rtol=1e-3)
+        assert both_ref[:, :H].amax() > 0.05  # the maxima are not all zero
 
 
 def test_backend_is_checked():

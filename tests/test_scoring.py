@@ -7,6 +7,11 @@ from proxykv_hf.scoring import attention_sums
 
 
 def explicit(query, key, valid, scaling):
+    """Summed over queries: the (B, H, T) column sums of :func:`explicit_probs`."""
+    return explicit_probs(query, key, valid, scaling).sum(2)
+
+
+def explicit_probs(query, key, valid, scaling):
     """Full (B, H, Q, T) softmax with causal + padding mask, padded query rows zeroed."""
     B, H, Q, D = query.shape
     H_kv, T = key.shape[1], key.shape[2]
@@ -17,8 +22,7 @@ def explicit(query, key, valid, scaling):
     allowed = allowed[None, None] & valid[:, None, None, :]
     logits = logits.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(logits, -1).nan_to_num(0.0)
-    p = p * valid[:, None, T - Q:, None]
-    return p.sum(2)  # (B, H, T)
+    return p * valid[:, None, T - Q:, None]
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
@@ -39,6 +43,33 @@ def test_chunked_equals_explicit_with_padding(chunk, Q):
     add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     got_f = attention_sums(query, key, add, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk)
     torch.testing.assert_close(got_f, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("Q", [15, 6])
+def test_max_statistic_equals_explicit(chunk, Q):
+    """"max": the largest probability a key gets from a query other than its own position, beside the sum."""
+    torch.manual_seed(3)
+    B, H, H_kv, T, D = 2, 4, 2, 15, 8
+    query, key = torch.randn(B, H, Q, D) * 2, torch.randn(B, H_kv, T, D) * 2
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :4] = False
+    qpos = torch.arange(Q) + (T - Q)
+    mask = (torch.arange(T)[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :]
+    p = explicit_probs(query, key, valid, 0.3)  # (B, H, Q, T)
+    own = torch.arange(T)[None, :] == qpos[:, None]  # (Q, T)
+    peak = p.masked_fill(own, 0.0).amax(2)  # (B, H, T)
+    got = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
+                         statistics=("sum", "max"))
+    torch.testing.assert_close(got, torch.cat([p.sum(2), peak], 1), rtol=1e-5, atol=1e-5)
+    assert got[:, H:, -1].abs().max() == 0  # the last key is seen by its own query only
+    grouped = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
+                             statistics=("max",), group_reduce="mean")
+    torch.testing.assert_close(grouped, peak.view(B, H_kv, 2, T).mean(2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="statistics"):
+        attention_sums(query, key, mask, statistics=("sum", "sum"))
+    with pytest.raises(ValueError, match="statistics"):
+        attention_sums(query, key, mask, statistics=("median",))
 
 
 def test_mask_none_is_causal_and_group_reductions():

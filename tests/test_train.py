@@ -441,3 +441,67 @@ def test_plot_training_without_matplotlib_warns(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert plot_training(log, tmp_path / "t.png") is None
     assert "matplotlib is not installed" in caplog.text and not (tmp_path / "t.png").exists()
+
+
+# ------------------------------------------------------------------------------------------------ max statistic
+def test_max_statistic_data_reuses_scores_and_widens_a_mapper(self_data, tmp_path, target, tok, texts):
+    """Features with the max beside the sum: built without another oracle pass, trained from a sum-only mapper
+    (which it starts out equal to), loaded and used for generation."""
+    from proxykv_hf.hub import Checkpoint, save_checkpoint
+    from proxykv_hf.proxy import ProxySpec
+    from proxykv_hf.train.loop import init_mapper_from
+
+    cfg = data_config(proxy_kind="self", proxy_statistics=["sum", "max"])
+    m = build_dataset(texts, target, tok, tmp_path / "data", cfg, oracle=CountingOracle(fail_at=1),
+                      scores_from=self_data, progress=False)  # the oracle would raise at its first call
+    old = Manifest.load(self_data)
+    assert m.proxy["statistics"] == ["sum", "max"] and m.oracle == old.oracle and m.crops == old.crops
+    H = old.proxy["num_heads"]
+    with safe_open(str(self_data / old.shards[0]["file"]), "pt") as f:
+        x_old, y_old = f.get_tensor("x"), f.get_tensor("y")
+    with safe_open(str(tmp_path / "data" / m.shards[0]["file"]), "pt") as f:
+        x_new, y_new = f.get_tensor("x"), f.get_tensor("y")
+    assert torch.equal(y_new, y_old) and x_new.shape[2] == 2 * H
+    torch.testing.assert_close(x_new[:, :, :H], x_old)  # the sums come first
+    assert x_new[:, :, H:].max() <= 1 and x_new[:, :, H:].max() > 0.1  # probabilities
+
+    first = train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
+                         fast_train(max_steps=2))
+    with torch.no_grad():
+        first.mapper.direct.weight.normal_()  # so that the direct path's widening is exercised too
+    save_checkpoint(first, tmp_path / "a")
+    mcfg = mapper_config_for(tmp_path / "data", "tiny", direct_path=True)
+    assert mcfg.num_statistics == 2 and mcfg.num_features == 2 * H
+    start = HybridAxialMapper(mcfg)
+    init_mapper_from(start, first.mapper)
+    x = x_new[:2].float()  # (2, L, 2H, C)
+    with torch.no_grad():  # the widened mapper computes what the sum-only one did
+        torch.testing.assert_close(start.eval()(x), first.mapper.eval()(x[:, :, :H]))
+    wide = train_mapper(tmp_path / "data", tmp_path / "b", mcfg,
+                        fast_train(max_steps=2, init_from=str(tmp_path / "a")))
+    assert wide.mapper.stem.conv1.weight[:, H:].abs().sum() > 0  # the max's weights trained away from zero
+    with pytest.raises(ValueError, match="another mapper config"):  # narrowing would drop the max's weights
+        train_mapper(self_data, tmp_path / "c", mapper_config_for(self_data, "tiny", direct_path=True),
+                     fast_train(max_steps=1, init_from=str(tmp_path / "b")))
+
+    cache = ProxyKVCache.from_pretrained(str(tmp_path / "b"), keep_ratio=0.3)
+    enc = tok([texts[0]], return_tensors="pt")
+    out = target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == enc["input_ids"].shape[1] + 2 and max(cache.physical_lengths()) < enc["input_ids"].shape[1]
+    spec = ProxySpec(kind="self", num_layers=4, num_heads=H)  # sum only: the wide mapper cannot read it
+    with pytest.raises(ValueError, match="statistics"):
+        Checkpoint(mapper=wide.mapper, proxy=spec, target=wide.target)
+
+
+def test_resume_accepts_a_manifest_written_before_statistics(tmp_path, target, tok, texts):
+    cfg = data_config(proxy_kind="self")
+    build_dataset(texts[:2], target, tok, tmp_path, cfg, oracle=fake_oracle, progress=False)
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    del raw["proxy"]["statistics"], raw["data_config"]["proxy_statistics"]
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    again = CountingOracle()
+    m = build_dataset(texts[:3], target, tok, tmp_path, cfg, oracle=again, progress=False)
+    assert again.calls == 1 and m.texts == 3
+    with pytest.raises(ValueError, match="proxy"):  # other statistics are another dataset
+        build_dataset(texts, target, tok, tmp_path, data_config(proxy_kind="self", proxy_statistics=["max"]),
+                      oracle=fake_oracle, progress=False)

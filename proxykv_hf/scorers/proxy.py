@@ -141,7 +141,8 @@ class ProxyScorer(Scorer):
 
     @torch.no_grad()
     def _run(self, runner, ids, mask) -> torch.Tensor:
-        x = proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size)
+        x = proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
+                           statistics=self.spec.statistics)
         return self._map(lambda: self.mapper(x, attention_mask=mask), ids.device)  # (B, L_l, H_l, N)
 
     @torch.no_grad()
@@ -150,7 +151,7 @@ class ProxyScorer(Scorer):
         if self.spec.kind == "self":
             x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
                                query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
-                               chunk_size=self.chunk_size)  # (B, H, T)
+                               chunk_size=self.chunk_size, statistics=self.spec.statistics)  # (B, S * H, T)
             self.mapper.to(device)
             mask = inputs.valid.to(device).long()
             return self._map(lambda: self.mapper.forward_layer(x, inputs.compact_index, mask), device)

@@ -68,6 +68,8 @@ class DataConfig:
             ``ProxyKVCache.from_pretrained`` can load it. Default: the passed proxy's ``name_or_path``.
         proxy_layers: target layer indices of a ``"layers"`` proxy; default ``every_kth_layer(L, layer_stride)``.
         layer_stride: ``k`` of the default ``"layers"`` proxy.
+        proxy_statistics: per-key statistics of the proxy's attention stored as features (``ProxySpec.statistics``):
+            ``["sum"]`` (the paper) or ``["sum", "max"]``.
         target_model_id: recorded in the manifest and checkpoint; default: the target's ``name_or_path``.
         chat_template: tokenize string texts as the chat-formatted prefix that ends with the text (template
             header + user turn opening + text, nothing after), when the tokenizer has a template: exactly what
@@ -89,6 +91,7 @@ class DataConfig:
     proxy_model_id: str | None = None
     proxy_layers: tuple[int, ...] | None = None
     layer_stride: int = 3
+    proxy_statistics: tuple[str, ...] = ("sum",)
     target_model_id: str | None = None
     chat_template: bool = True
     feature_chunk_size: int = 256
@@ -112,6 +115,8 @@ class DataConfig:
             if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
                 raise ValueError(f"proxy_layers must be a non-empty sequence of layer indices, got {layers!r}")
             object.__setattr__(self, "proxy_layers", layers)
+        object.__setattr__(self, "proxy_statistics", tuple(self.proxy_statistics))
+        ProxySpec(kind="self", num_layers=1, num_heads=1, statistics=list(self.proxy_statistics))  # validates them
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"dtype must be one of {tuple(STORAGE_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and self.max_length > FLOAT16_MAX:
@@ -129,6 +134,7 @@ class DataConfig:
         """JSON-serialisable field dict."""
         d = dataclasses.asdict(self)
         d["proxy_layers"] = None if self.proxy_layers is None else list(self.proxy_layers)
+        d["proxy_statistics"] = list(self.proxy_statistics)
         return d
 
     @classmethod
@@ -138,6 +144,8 @@ class DataConfig:
         data = dict(data)
         if data.get("proxy_layers") is not None:
             data["proxy_layers"] = tuple(data["proxy_layers"])
+        if "proxy_statistics" in data:
+            data["proxy_statistics"] = tuple(data["proxy_statistics"])
         return cls(**data)
 
 
@@ -284,16 +292,18 @@ def check_shared_tokenizer(target, proxy, tokenizer=None, proxy_tokenizer=None, 
 def resolve_proxy(target, config: DataConfig, proxy=None, tokenizer=None):
     """The model that runs as proxy, the layers it runs (or None), and its :class:`ProxySpec`."""
     cfg = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") else target.config
+    stats = list(config.proxy_statistics)
     if config.proxy_kind == "self":
         full = full_attention_layers(target)
-        return target, None, ProxySpec(kind="self", num_layers=len(full), num_heads=cfg.num_attention_heads)
+        return target, None, ProxySpec(kind="self", num_layers=len(full), num_heads=cfg.num_attention_heads,
+                                       statistics=stats)
     if config.proxy_kind == "layers":
         layers = list(config.proxy_layers or every_kth_layer(cfg.num_hidden_layers, config.layer_stride))
         bad = [i for i in layers if i >= cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"proxy_layers {bad} out of range for a target with {cfg.num_hidden_layers} layers")
         return target, layers, ProxySpec(kind="layers", num_layers=len(layers), num_heads=cfg.num_attention_heads,
-                                         layers=layers)
+                                         layers=layers, statistics=stats)
     if proxy is None:
         if not config.proxy_model_id:
             raise ValueError("proxy_kind='model' needs a proxy model: pass proxy=... or set proxy_model_id")
@@ -305,7 +315,7 @@ def resolve_proxy(target, config: DataConfig, proxy=None, tokenizer=None):
     check_shared_tokenizer(target, proxy, tokenizer, names=(model_id, target_id))
     pcfg = proxy.config.get_text_config(decoder=True) if hasattr(proxy.config, "get_text_config") else proxy.config
     return proxy, None, ProxySpec(kind="model", num_layers=pcfg.num_hidden_layers,
-                                  num_heads=pcfg.num_attention_heads, model_id=model_id)
+                                  num_heads=pcfg.num_attention_heads, model_id=model_id, statistics=stats)
 
 
 def default_oracle() -> Oracle:
@@ -354,11 +364,12 @@ def _unpack(item: TextItem) -> tuple[str | Sequence[int], str]:
 @torch.no_grad()
 def features_and_scores(ids: list[int], target, runner, layers, spec: ProxySpec, oracle: Oracle, tokenizer,
                         config: DataConfig, target_spec: TargetSpec) -> tuple[Tensor, Tensor]:
-    """X ``(L_s, H_s, N)`` and Y ``(L_l, H_kv, N)`` (float32, CPU) of one tokenized text."""
+    """X ``(L_s, S * H_s, N)`` and Y ``(L_l, H_kv, N)`` (float32, CPU) of one tokenized text."""
     dev = next(runner.parameters()).device
     input_ids = torch.tensor([ids], device=dev)  # (1, N)
     mask = torch.ones_like(input_ids)
-    x = proxy_features(runner, input_ids, mask, layers=layers, chunk_size=config.feature_chunk_size)
+    x = proxy_features(runner, input_ids, mask, layers=layers, chunk_size=config.feature_chunk_size,
+                       statistics=spec.statistics)
     if spec.kind == "self":
         x = x[:, full_attention_layers(target)]
     x = x[0].float().cpu()  # (L_s, H_s, N)
@@ -371,9 +382,9 @@ def features_and_scores(ids: list[int], target, runner, layers, spec: ProxySpec,
     if tuple(y.shape) != want:
         raise ValueError(f"oracle returned scores of shape {tuple(y.shape)}, expected (L_l, B, H_kv, T) = {want}")
     y = y[:, 0].float().cpu()  # (L_l, H_kv, N)
-    want = (spec.num_layers, spec.num_heads, len(ids))
+    want = (spec.num_layers, spec.num_features, len(ids))
     if tuple(x.shape) != want:
-        raise ValueError(f"proxy features of shape {tuple(x.shape)}, expected (L_s, H_s, N) = {want}")
+        raise ValueError(f"proxy features of shape {tuple(x.shape)}, expected (L_s, S * H_s, N) = {want}")
     return x, y
 
 
@@ -435,6 +446,8 @@ class _ShardWriter:
 
 
 def _check_resumable(old: Manifest, new: Manifest, out: Path) -> None:
+    old = dataclasses.replace(old, proxy=old.proxy_spec().to_dict(),  # fields added since it was written: defaults
+                              data_config=DataConfig.from_dict(old.data_config).to_dict())
     for name in ("target", "proxy", "tokenizer"):
         if getattr(old, name) != getattr(new, name):
             raise ValueError(f"{out} was built with {name} {getattr(old, name)}, not {getattr(new, name)}; "
@@ -447,9 +460,36 @@ def _check_resumable(old: Manifest, new: Manifest, out: Path) -> None:
                          "use another out_dir or resume=False to rebuild")
 
 
+def stored_scores(data_dir: str | os.PathLike) -> tuple[dict[str, Tensor], Manifest]:
+    """The oracle scores Y ``(L_l, H_kv, N)`` (float32) of every text of a built dataset, reassembled from its
+    crops and keyed by text hash (:func:`text_key`), with its manifest: a new dataset of the same texts with other
+    proxy features can reuse them (``build_dataset(..., scores_from=...)``) instead of running the oracle again."""
+    from safetensors import safe_open
+
+    data_dir = Path(data_dir)
+    manifest = Manifest.load(data_dir)
+    if manifest.skipped_short:
+        raise ValueError(f"{data_dir} skipped {manifest.skipped_short} short texts, so its text numbers do not map to "
+                         "its text hashes; rebuild it with a smaller min_length to reuse its scores")
+    crops: dict[int, list[tuple[int, int, Tensor]]] = {}
+    for shard in manifest.shards:
+        with safe_open(str(data_dir / shard["file"]), "pt") as f:
+            y, text, start, length = (f.get_tensor(k) for k in ("y", "text", "start", "length"))
+        for i in range(len(text)):
+            crops.setdefault(int(text[i]), []).append((int(start[i]), int(length[i]), y[i]))
+    out = {}
+    for t, parts in crops.items():
+        full = torch.zeros(*parts[0][2].shape[:2], max(s + n for s, n, _ in parts))
+        for s, n, y in parts:
+            full[:, :, s:s + n] = y[:, :, :n].float()
+        out[manifest.done[t]] = full  # done lists the texts in build order: text number t is its t-th entry
+    return out, manifest
+
+
 def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | os.PathLike,
                   config: DataConfig | None = None, *, proxy=None, oracle: Oracle | None = None,
-                  resume: bool = True, progress: bool = True) -> Manifest:
+                  scores_from: str | os.PathLike | None = None, resume: bool = True,
+                  progress: bool = True) -> Manifest:
     """Run proxy and oracle over ``texts`` and write crops of (X, Y) as shards to ``out_dir``.
 
     Args:
@@ -463,6 +503,9 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
         oracle: ``oracle(model, input_ids, attention_mask, tokenizer=..., **config.oracle_kwargs)`` returning
             ``(L_l, B, H_kv, T)`` scores for every full-attention layer (or ``(L, B, H_kv, T)`` for every layer,
             of which the full-attention ones are kept); default KVzip's ``kvzip_scores``.
+        scores_from: a dataset built before for the same target (:func:`stored_scores`): texts it holds take
+            their oracle scores from it (e.g. to store other proxy features without another oracle pass); the
+            others run ``oracle``. Its manifest's oracle name is recorded when it served every text.
         resume: continue an existing build in ``out_dir`` (skip its done texts); False deletes it first.
         progress: show a tqdm bar.
 
@@ -477,6 +520,9 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
     tspec = target_spec_of(target, config.target_model_id)
     runner, layers, pspec = resolve_proxy(target, config, proxy, tokenizer)
     oracle = oracle or default_oracle()
+    stored, stored_from = ({}, None) if scores_from is None else stored_scores(scores_from)
+    if stored_from is not None and stored_from.target != tspec.to_dict():
+        raise ValueError(f"scores_from={scores_from} was built for target {stored_from.target}, not {tspec.to_dict()}")
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     manifest = Manifest(target=tspec.to_dict(), proxy=pspec.to_dict(), data_config=config.to_dict(),
                         tokenizer={"name": getattr(tokenizer, "name_or_path", "") or "unknown",
@@ -500,7 +546,7 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
     done = set(manifest.done)
     writer = _ShardWriter(out, manifest, config)
     seen: set[str] = set()
-    skipped = 0
+    skipped = reused = 0
     bar = tqdm(texts, desc="build data", unit="text", disable=not progress)
     for item in bar:
         text, source = _unpack(item)
@@ -516,10 +562,23 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
         if len(ids) > config.max_length:
             ids = ids[:config.max_length]
             manifest.truncated += 1
-        x, y = features_and_scores(ids, target, runner, layers, pspec, oracle, tokenizer, config, tspec)
+        use = oracle
+        if key in stored:
+            y = stored[key]
+            if y.shape[-1] != len(ids):
+                raise ValueError(f"scores_from holds {y.shape[-1]} tokens of a text that now encodes to {len(ids)}; "
+                                 "build both datasets with the same tokenizer and data config")
+            use = lambda *args, **kwargs: y[:, None]  # noqa: E731  (L_l, 1, H_kv, T), as an oracle returns
+            reused += 1
+        x, y = features_and_scores(ids, target, runner, layers, pspec, use, tokenizer, config, tspec)
         writer.add(key, source, len(ids), x, y)
         bar.set_postfix(crops=manifest.crops + len(writer.crops), refresh=False)
     writer.flush()
+    if stored_from is not None:
+        logger.info("%d texts took their scores from %s", reused, scores_from)
+        if reused == manifest.texts:  # every text's scores came from there
+            manifest.oracle = stored_from.oracle
+            manifest.save(out)
     if skipped:
         logger.info("skipped %d texts already in %s (or repeated)", skipped, out)
     if not manifest.shards:

@@ -156,22 +156,35 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------------------------ pieces
 ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters start as a no-op: value off
+# mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
+WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2))}
 
 
 def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: str = "init_from") -> None:
     """Copy the weights of ``start`` into ``mapper`` (``TrainConfig.init_from``).
 
     The configs must be equal, except that ``mapper`` may switch on fields of :data:`ADDITIVE_FIELDS` that
-    ``start`` has off; the parameters those add keep their (no-op) initialisation.
+    ``start`` has off (the parameters those add keep their no-op initialisation), and may read more feature
+    statistics (:data:`WIDENING_INPUTS`: e.g. the sum and the max where ``start`` read the sum; the weights on the
+    new feature rows start at zero). Either way ``mapper`` starts out computing exactly what ``start`` computes.
     """
     new, old = mapper.config.to_dict(), start.config.to_dict()
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
-    if any(k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k] for k in diff):
+    grown = {k for k in diff if k in WIDENING_INPUTS and diff[k][1] > diff[k][0]}
+    if any(k not in grown and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
         raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
-    missing, unexpected = mapper.load_state_dict(start.state_dict(), strict=False)
+    state = start.state_dict()
+    own = mapper.state_dict()
+    for param, dim in (pd for k in grown for pd in WIDENING_INPUTS[k]):
+        if param in state:  # the old statistics are the leading feature rows (statistic-major)
+            wide = torch.zeros_like(own[param])
+            wide.narrow(dim, 0, state[param].shape[dim]).copy_(state[param])
+            state[param] = wide
+    missing, unexpected = mapper.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"{name}: unexpected parameters {unexpected}")
-    logger.info("initialised the mapper from %s%s", name, f" (new, at their init: {missing})" if missing else "")
+    logger.info("initialised the mapper from %s%s%s", name, f" (new, at their init: {missing})" if missing else "",
+                f" (widened: {sorted(grown)})" if grown else "")
 
 
 def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
@@ -191,7 +204,7 @@ def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small",
     if preset not in ("paper", "small", "tiny"):
         raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
     shape = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                 num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
+                 num_statistics=len(manifest.proxy_spec().statistics), num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
                  crop_len=manifest.data_config["crop_len"], stride=manifest.data_config["stride"])
     return getattr(MapperConfig, preset)(**{**shape, **overrides})
 
@@ -199,7 +212,7 @@ def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small",
 def check_mapper_fits(config: MapperConfig, manifest: Manifest) -> None:
     """Raise ``ValueError`` unless the mapper's four shape fields match the dataset's proxy and target."""
     want = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"])
+                num_statistics=len(manifest.proxy_spec().statistics), num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"])
     got = {k: getattr(config, k) for k in want}
     if got != want:
         raise ValueError(f"mapper config shape {got} does not match the dataset {want}; "
