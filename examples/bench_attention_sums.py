@@ -3,7 +3,8 @@
     python examples/bench_attention_sums.py --lengths 4096 8192 16384 32768
 
 The shape defaults to one Llama-3.2-1B layer (32 query heads, 8 KV heads, head dim 64) in bfloat16: the work the
-proxy does per layer on top of its own prefill.
+proxy does per layer on top of its own prefill. ``--statistics sum max`` times the sums with the per-key maxima
+(the shipped SmolLM2 mapper's features) instead of the sums alone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--statistics", nargs="+", default=["sum"], choices=["sum", "max"])
     ns = p.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| N | torch ms | triton ms | speed-up | torch peak MiB | triton peak MiB | max rel. diff |")
@@ -46,8 +48,9 @@ def main() -> None:
         torch.manual_seed(0)
         q = torch.randn(1, ns.heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, ns.kv_heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
-        t_ref, m_ref, ref = measure(lambda: attention_sums(q, k, backend="torch"), ns.repeats)
-        t_fused, m_fused, got = measure(lambda: attention_sums(q, k, backend="triton"), ns.repeats)
+        stats = tuple(ns.statistics)
+        t_ref, m_ref, ref = measure(lambda: attention_sums(q, k, backend="torch", statistics=stats), ns.repeats)
+        t_fused, m_fused, got = measure(lambda: attention_sums(q, k, backend="triton", statistics=stats), ns.repeats)
         diff = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
         rows.append(dict(n=n, torch_ms=t_ref, triton_ms=t_fused, torch_peak=m_ref, triton_peak=m_fused, diff=diff))
         print(f"| {n} | {t_ref:.1f} | {t_fused:.1f} | {t_ref / t_fused:.1f}x | {m_ref / 2**20:.0f} | "

@@ -76,6 +76,9 @@ def main(argv=None) -> None:
     heads = 9  # SmolLM2's query heads: the first 9 rows are the sums
     b, m = needle_rank(lambda x: x[:, :heads], items, best_head=True)
     print(f"{'self features (best head)':<60} {b:>10.3f} {m:>12.3f}")
+    if items[0]["x"].shape[1] > heads:
+        b, m = needle_rank(lambda x: x[:, heads:], items, best_head=True)
+        print(f"{'self features, max statistic (best head)':<60} {b:>10.3f} {m:>12.3f}")
     for path in ns.mappers:
         mapper = load_checkpoint(path).mapper.eval()
         rows = mapper.config.num_features

@@ -190,6 +190,21 @@ def test_input_transform_log1p_clamps_negative():
                                   tiny(input_transform="none").stem(torch.full((1, 2, 8), 3.0)))
 
 
+def test_input_transform_per_statistic():
+    from proxykv_hf.mapper import LOG_FLOOR, transform_features
+
+    x = torch.rand(2, 3, 2 * 4, 16)  # (B, L, S * H, N): sums then maxima of 4 heads
+    got = transform_features(x, "log1p,log")
+    torch.testing.assert_close(got[:, :, :4], torch.log1p(x[:, :, :4]))
+    torch.testing.assert_close(got[:, :, 4:], torch.log(x[:, :, 4:] + LOG_FLOOR))
+    cfg = MapperConfig.tiny(num_statistics=2, input_transform="log1p,log")
+    assert MapperConfig.from_dict(cfg.to_dict()) == cfg
+    assert HybridAxialMapper(cfg)(torch.rand(1, 2, 4, 12)).shape == (1, 4, 2, 12)
+    for bad in ("log1p,log", "log1p,log,none"):  # one statistic; three transforms for two
+        with pytest.raises(ValueError, match="input_transform"):
+            MapperConfig.tiny(input_transform=bad, num_statistics=1 if bad == "log1p,log" else 2)
+
+
 def test_presets_and_json_roundtrip():
     for preset in (MapperConfig.paper, MapperConfig.small, MapperConfig.tiny):
         cfg = preset(**LLAMA_1B_TO_8B)
@@ -203,7 +218,7 @@ def test_presets_and_json_roundtrip():
 @pytest.mark.parametrize("bad", [
     dict(num_proxy_heads=0), dict(num_target_layers=-1), dict(d_head=1.5), dict(d_time=True),
     dict(num_encoder_heads=7), dict(stride=65), dict(dropout=1.0), dict(dropout=-0.1),
-    dict(time_encoder="lstm"), dict(input_transform="log"), dict(conv_stem="yes"), dict(layer_embedding=1),
+    dict(time_encoder="lstm"), dict(input_transform="sqrt"), dict(conv_stem="yes"), dict(layer_embedding=1),
 ])
 def test_bad_config_raises(bad):
     (value,) = bad.values()

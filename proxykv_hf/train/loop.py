@@ -166,16 +166,19 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
     The configs must be equal, except that ``mapper`` may switch on fields of :data:`ADDITIVE_FIELDS` that
     ``start`` has off (the parameters those add keep their no-op initialisation), and may read more feature
     statistics (:data:`WIDENING_INPUTS`: e.g. the sum and the max where ``start`` read the sum; the weights on the
-    new feature rows start at zero). Either way ``mapper`` starts out computing exactly what ``start`` computes.
+    new feature rows start at zero), each through its own transform (``input_transform="log1p,log"`` after
+    ``"log1p"``). Either way ``mapper`` starts out computing exactly what ``start`` computes.
     """
     new, old = mapper.config.to_dict(), start.config.to_dict()
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
     grown = {k for k in diff if k in WIDENING_INPUTS and diff[k][1] > diff[k][0]}
+    if grown and "input_transform" in diff and diff["input_transform"][1].split(",")[0] == old["input_transform"]:
+        grown.add("input_transform")  # the widened mapper reads its new statistics through their own transform
     if any(k not in grown and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
         raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
     state = start.state_dict()
     own = mapper.state_dict()
-    for param, dim in (pd for k in grown for pd in WIDENING_INPUTS[k]):
+    for param, dim in (pd for k in grown for pd in WIDENING_INPUTS.get(k, ())):
         if param in state:  # the old statistics are the leading feature rows (statistic-major)
             wide = torch.zeros_like(own[param])
             wide.narrow(dim, 0, state[param].shape[dim]).copy_(state[param])
