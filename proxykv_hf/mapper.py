@@ -348,8 +348,8 @@ class HybridAxialMapper(nn.Module):
 
     @property
     def num_features(self) -> int:
-        """Feature rows per proxy layer: ``num_statistics * num_proxy_heads``."""
-        return self.num_statistics * self.num_proxy_heads
+        """Feature rows per proxy layer that the mapper reads (:attr:`MapperConfig.num_features`)."""
+        return self.config.num_features
 
     def pairing(self) -> list[int]:
         """0-based proxy layer read by each target layer (see :meth:`MapperConfig.pairing`)."""

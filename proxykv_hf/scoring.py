@@ -5,9 +5,11 @@
 This is the proxy feature of the ProxyKV paper (one row per layer and query head) and the raw material of
 several scorers. Beside the sum, the same pass can return the *maximum* probability a key receives from any query
 other than its own position (statistic ``"max"``): a needle that one later query looks at hard but few others do
-stands out there more than in the sum (``examples/needle_features.py``; KVzip's oracle is a maximum too). The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the
-causal unmasked case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never
-write the probabilities to memory.
+stands out there more than in the sum (``examples/needle_features.py``; KVzip's oracle is a maximum too).
+
+The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the causal unmasked
+case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the
+probabilities to memory.
 """
 
 from __future__ import annotations

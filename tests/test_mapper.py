@@ -199,7 +199,11 @@ def test_input_transform_per_statistic():
     torch.testing.assert_close(got[:, :, 4:], torch.log(x[:, :, 4:] + LOG_FLOOR))
     cfg = MapperConfig.tiny(num_statistics=2, input_transform="log1p,log")
     assert MapperConfig.from_dict(cfg.to_dict()) == cfg
-    assert HybridAxialMapper(cfg)(torch.rand(1, 2, 4, 12)).shape == (1, 4, 2, 12)
+    wide = HybridAxialMapper(cfg)
+    assert wide.num_features == cfg.num_features == 4  # 2 statistics x 2 heads
+    assert wide(torch.rand(1, 2, 4, 12)).shape == (1, 4, 2, 12)
+    with pytest.raises(ValueError, match="expected features of shape"):  # the sums alone
+        wide(torch.rand(1, 2, 2, 12))
     for bad in ("log1p,log", "log1p,log,none"):  # one statistic; three transforms for two
         with pytest.raises(ValueError, match="input_transform"):
             MapperConfig.tiny(input_transform=bad, num_statistics=1 if bad == "log1p,log" else 2)

@@ -470,7 +470,8 @@ def test_max_statistic_data_reuses_scores_and_widens_a_mapper(self_data, tmp_pat
     with torch.no_grad():
         first.mapper.direct.weight.normal_()  # so that the direct path's widening is exercised too
     save_checkpoint(first, tmp_path / "a")
-    mcfg = mapper_config_for(tmp_path / "data", "tiny", direct_path=True, input_transform="log1p,log")
+    mcfg = mapper_config_for(tmp_path / "data", "tiny", direct_path=True)
+    assert mcfg.input_transform == "log1p,log" and mapper_config_for(self_data, "tiny").input_transform == "log1p"
     assert mcfg.num_statistics == 2 and mcfg.num_features == 2 * H
     start = HybridAxialMapper(mcfg)
     init_mapper_from(start, first.mapper)

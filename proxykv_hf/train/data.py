@@ -463,7 +463,8 @@ def _check_resumable(old: Manifest, new: Manifest, out: Path) -> None:
 def stored_scores(data_dir: str | os.PathLike) -> tuple[dict[str, Tensor], Manifest]:
     """The oracle scores Y ``(L_l, H_kv, N)`` (float32) of every text of a built dataset, reassembled from its
     crops and keyed by text hash (:func:`text_key`), with its manifest: a new dataset of the same texts with other
-    proxy features can reuse them (``build_dataset(..., scores_from=...)``) instead of running the oracle again."""
+    proxy features can reuse them (``build_dataset(..., scores_from=...)``) instead of running the oracle again.
+    All of them are held in memory (float32, ``L_l * H_kv * 4`` bytes a token: 0.4 MB per 1k tokens for SmolLM2)."""
     from safetensors import safe_open
 
     data_dir = Path(data_dir)
@@ -564,11 +565,11 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
             manifest.truncated += 1
         use = oracle
         if key in stored:
-            y = stored[key]
-            if y.shape[-1] != len(ids):
-                raise ValueError(f"scores_from holds {y.shape[-1]} tokens of a text that now encodes to {len(ids)}; "
-                                 "build both datasets with the same tokenizer and data config")
-            use = lambda *args, **kwargs: y[:, None]  # noqa: E731  (L_l, 1, H_kv, T), as an oracle returns
+            kept = stored[key]
+            if kept.shape[-1] != len(ids):
+                raise ValueError(f"scores_from holds {kept.shape[-1]} tokens of a text that now encodes to "
+                                 f"{len(ids)}; build both datasets with the same tokenizer and data config")
+            use = lambda *args, _y=kept, **kwargs: _y[:, None]  # noqa: E731  (L_l, 1, H_kv, T), as an oracle returns
             reused += 1
         x, y = features_and_scores(ids, target, runner, layers, pspec, use, tokenizer, config, tspec)
         writer.add(key, source, len(ids), x, y)

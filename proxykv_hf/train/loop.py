@@ -157,6 +157,8 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------------ pieces
 ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters start as a no-op: value off
 # mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
+# the input transform a dataset's statistic gets by default (docs/training.md: the maxima through log1p went unused)
+STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log"}
 WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2))}
 
 
@@ -201,21 +203,27 @@ def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
 
 
 def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", **overrides) -> MapperConfig:
-    """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers and
-    heads, target layers and KV heads, and the dataset's crop length and stride as the inference windows."""
+    """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers,
+    heads and statistics (each read through :data:`STATISTIC_TRANSFORMS`), target layers and KV heads, and the
+    dataset's crop length and stride as the inference windows."""
     manifest = data if isinstance(data, Manifest) else Manifest.load(data)
     if preset not in ("paper", "small", "tiny"):
         raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
+    stats = manifest.proxy_spec().statistics
     shape = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                 num_statistics=len(manifest.proxy_spec().statistics), num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
+                 num_statistics=len(stats), input_transform=",".join(STATISTIC_TRANSFORMS[s] for s in stats),
+                 num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
                  crop_len=manifest.data_config["crop_len"], stride=manifest.data_config["stride"])
+    if len(set(shape["input_transform"].split(","))) == 1:
+        shape["input_transform"] = shape["input_transform"].split(",")[0]
     return getattr(MapperConfig, preset)(**{**shape, **overrides})
 
 
 def check_mapper_fits(config: MapperConfig, manifest: Manifest) -> None:
-    """Raise ``ValueError`` unless the mapper's four shape fields match the dataset's proxy and target."""
+    """Raise ``ValueError`` unless the mapper's shape fields match the dataset's proxy and target."""
     want = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                num_statistics=len(manifest.proxy_spec().statistics), num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"])
+                num_statistics=len(manifest.proxy_spec().statistics),
+                num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"])
     got = {k: getattr(config, k) for k in want}
     if got != want:
         raise ValueError(f"mapper config shape {got} does not match the dataset {want}; "
