@@ -106,6 +106,31 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
               "--loss", "lambda_listy=2"])
 
 
+
+def test_build_data_adds_the_max_statistic_without_the_oracle(tmp_path, monkeypatch):
+    import proxykv_hf.train.data as data_mod
+
+    data, wide = tmp_path / "data", tmp_path / "wide"
+    common = ["build-data", "--tiny", "--tasks", "niah_single_1", "--n-per-task", "2", "--tokens", "250",
+              "--crop-len", "64", "--stride", "32"]
+    main([*common, "--out", str(data)])
+
+    def no_oracle():
+        def fail(*args, **kwargs):
+            raise AssertionError("the oracle ran although --scores-from holds every text")
+        return fail
+
+    monkeypatch.setattr(data_mod, "default_oracle", no_oracle)
+    main([*common, "--proxy-statistics", "sum", "max", "--scores-from", str(data), "--out", str(wide)])
+    old, new = (json.loads((d / "manifest.json").read_text()) for d in (data, wide))
+    assert new["proxy"]["statistics"] == ["sum", "max"] and new["crops"] == old["crops"]
+    assert new["oracle"] == old["oracle"]
+    main(["train", "--data", str(wide), "--out", str(tmp_path / "m"), "--preset", "tiny", "--max-steps", "1",
+          "--no-progress"])
+    saved = json.loads((tmp_path / "m" / "proxykv_config.json").read_text())
+    assert saved["mapper"]["num_statistics"] == 2 and saved["mapper"]["input_transform"] == "log1p,log"
+
+
 def test_eval_adds_methods_later_with_fidelity(tmp_path):
     """A second run with a new method (KVzip not among them) reuses the stored KVzip scores for its fidelity."""
     out = tmp_path / "eval"
