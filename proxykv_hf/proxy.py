@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import attention
-from .scoring import STATISTICS, attention_sums
+from .scoring import attention_sums, check_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class ProxySpec:
         layers: target layer indices the proxy runs (kind ``"layers"``); None = all.
         num_layers: L_s, the number of proxy layers the mapper reads.
         num_heads: H_s, query heads per proxy layer.
-        statistics: per-key statistics of each head's attention the mapper reads (:data:`~proxykv_hf.scoring.
-            STATISTICS`): ``["sum"]`` (the paper's feature) or e.g. ``["sum", "max"]``; the features then hold
+        statistics: per-key statistics of each head's attention the mapper reads
+            (:data:`proxykv_hf.scoring.STATISTICS`): ``["sum"]`` (the paper's feature) or e.g. ``["sum", "max"]``; the features then hold
             ``len(statistics) * H_s`` rows per layer, statistic-major.
     """
 
@@ -59,10 +59,7 @@ class ProxySpec:
             raise ValueError("a 'layers' proxy needs a non-empty list of layer indices")
         if self.layers is not None and len(self.layers) != self.num_layers:
             raise ValueError(f"num_layers ({self.num_layers}) must equal len(layers) ({len(self.layers)})")
-        self.statistics = list(self.statistics)
-        if not self.statistics or len(set(self.statistics)) != len(self.statistics) or any(
-                s not in STATISTICS for s in self.statistics):
-            raise ValueError(f"statistics must be distinct names from {STATISTICS}, got {self.statistics!r}")
+        self.statistics = list(check_statistics(self.statistics))
 
     @property
     def num_features(self) -> int:
@@ -190,7 +187,7 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         attention_mask = torch.ones_like(input_ids)
     valid = attention_mask.to(torch.bool)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    cache = FeatureCache(valid, chunk_size, tuple(statistics))
+    cache = FeatureCache(valid, chunk_size, statistics)
     decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True)
     order = sorted(cache.sums)  # captured under the layers' own indices

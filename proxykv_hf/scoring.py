@@ -23,6 +23,14 @@ BACKENDS = ("auto", "torch", "triton")
 STATISTICS = ("sum", "max")
 
 
+def check_statistics(statistics) -> tuple[str, ...]:
+    """``statistics`` as a tuple of distinct names from :data:`STATISTICS`, or ``ValueError``."""
+    statistics = tuple(statistics)
+    if not statistics or len(set(statistics)) != len(statistics) or any(s not in STATISTICS for s in statistics):
+        raise ValueError(f"statistics must be distinct names from {STATISTICS}, got {statistics!r}")
+    return statistics
+
+
 def _chunk_bias(
     attention_mask: torch.Tensor | None, q0: int, q1: int, Q: int, T: int, device: torch.device, t_end: int
 ) -> torch.Tensor:
@@ -89,9 +97,7 @@ def attention_sums(
         float32 `(B, S * H, T)` or `(B, S * H_kv, T)` for ``S = len(statistics)``: statistic-major, so with the
         default ``("sum",)`` the sums `(B, H, T)` or `(B, H_kv, T)`.
     """
-    statistics = tuple(statistics)
-    if not statistics or len(set(statistics)) != len(statistics) or any(s not in STATISTICS for s in statistics):
-        raise ValueError(f"statistics must be distinct names from {STATISTICS}, got {statistics!r}")
+    statistics = check_statistics(statistics)
     if group_reduce not in _REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {_REDUCTIONS}, got {group_reduce!r}")
     if chunk_size < 1:

@@ -38,6 +38,7 @@ from .._fields import check_known_fields
 from ..hub import TargetSpec
 from ..mapper import window_starts
 from ..proxy import PROXY_KINDS, ProxySpec, every_kth_layer, proxy_features
+from ..scoring import check_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,7 @@ class DataConfig:
             if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
                 raise ValueError(f"proxy_layers must be a non-empty sequence of layer indices, got {layers!r}")
             object.__setattr__(self, "proxy_layers", layers)
-        object.__setattr__(self, "proxy_statistics", tuple(self.proxy_statistics))
-        ProxySpec(kind="self", num_layers=1, num_heads=1, statistics=list(self.proxy_statistics))  # validates them
+        object.__setattr__(self, "proxy_statistics", check_statistics(self.proxy_statistics))
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"dtype must be one of {tuple(STORAGE_DTYPES)}, got {self.dtype!r}")
         if self.dtype == "float16" and self.max_length > FLOAT16_MAX:

@@ -209,13 +209,12 @@ def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small",
     manifest = data if isinstance(data, Manifest) else Manifest.load(data)
     if preset not in ("paper", "small", "tiny"):
         raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
-    stats = manifest.proxy_spec().statistics
+    transforms = [STATISTIC_TRANSFORMS[s] for s in manifest.proxy_spec().statistics]
     shape = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                 num_statistics=len(stats), input_transform=",".join(STATISTIC_TRANSFORMS[s] for s in stats),
+                 num_statistics=len(transforms),
+                 input_transform=transforms[0] if len(set(transforms)) == 1 else ",".join(transforms),
                  num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
                  crop_len=manifest.data_config["crop_len"], stride=manifest.data_config["stride"])
-    if len(set(shape["input_transform"].split(","))) == 1:
-        shape["input_transform"] = shape["input_transform"].split(",")[0]
     return getattr(MapperConfig, preset)(**{**shape, **overrides})
 
 
