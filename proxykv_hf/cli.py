@@ -180,7 +180,7 @@ def cmd_train(ns) -> int:
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
     cfg = from_args(TrainConfig, ns, loss=LossConfig(**_overrides(LossConfig, ns.loss, "--loss")))
-    mapper_cfg = mapper_config_for(ns.data, ns.preset, **_mapper_overrides(ns.mapper_config))
+    mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, **_mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
     return 0

@@ -129,6 +129,10 @@ def test_build_data_adds_the_max_statistic_without_the_oracle(tmp_path, monkeypa
           "--no-progress"])
     saved = json.loads((tmp_path / "m" / "proxykv_config.json").read_text())
     assert saved["mapper"]["num_statistics"] == 2 and saved["mapper"]["input_transform"] == "log1p,log"
+    main(["train", "--data", str(wide), "--out", str(tmp_path / "s"), "--preset", "tiny", "--max-steps", "1",
+          "--statistics", "sum", "--no-progress"])
+    saved = json.loads((tmp_path / "s" / "proxykv_config.json").read_text())
+    assert saved["mapper"]["num_statistics"] == 1 and saved["proxy"]["statistics"] == ["sum"]
 
 
 def test_eval_adds_methods_later_with_fidelity(tmp_path):

@@ -494,6 +494,41 @@ def test_max_statistic_data_reuses_scores_and_widens_a_mapper(self_data, tmp_pat
         Checkpoint(mapper=wide.mapper, proxy=spec, target=wide.target)
 
 
+def test_training_on_a_subset_of_the_statistics(self_data, tmp_path, target, tok, texts):
+    """A sum+max dataset read as sums only (or maxima only) gives exactly those feature rows, and a mapper trained
+    on them records the subset as its proxy's statistics."""
+    cfg = data_config(proxy_kind="self", proxy_statistics=["sum", "max"])
+    build_dataset(texts, target, tok, tmp_path / "data", cfg, oracle=CountingOracle(fail_at=1),
+                  scores_from=self_data, progress=False)
+    H = Manifest.load(self_data).proxy["num_heads"]
+    both = MapperDataset(tmp_path / "data")
+    sums, maxima = (MapperDataset(tmp_path / "data", statistics=[s]) for s in ("sum", "max"))
+    swapped = MapperDataset(tmp_path / "data", statistics=["max", "sum"])
+    for i in (0, len(both) - 1):
+        x = both[i]["x"]
+        assert x.shape[1] == 2 * H
+        assert torch.equal(sums[i]["x"], x[:, :H]) and torch.equal(maxima[i]["x"], x[:, H:])
+        assert torch.equal(swapped[i]["x"], torch.cat([x[:, H:], x[:, :H]], 1))
+        assert torch.equal(sums[i]["y"], both[i]["y"])
+    assert sums.manifest.proxy_spec().statistics == ["sum"] and sums.manifest.config().proxy_statistics == ("sum",)
+    assert both.manifest.proxy_spec().statistics == ["sum", "max"]  # the full view is untouched
+    for bad in (["mean"], ["sum", "sum"], []):
+        with pytest.raises(ValueError, match="statistics"):
+            MapperDataset(tmp_path / "data", statistics=bad)
+    with pytest.raises(ValueError, match="holds the proxy statistics"):
+        MapperDataset(self_data, statistics=["max"])  # a sum-only dataset
+
+    mcfg = mapper_config_for(tmp_path / "data", "tiny", statistics=["sum"])
+    assert mcfg.num_statistics == 1 and mcfg.input_transform == "log1p"
+    with pytest.raises(ValueError, match="does not match the dataset"):  # a sum+max mapper on the sums only
+        train_mapper(tmp_path / "data", tmp_path / "x", mapper_config_for(tmp_path / "data", "tiny"),
+                     fast_train(max_steps=1, statistics=("sum",)))
+    ckpt = train_mapper(tmp_path / "data", tmp_path / "m", mcfg, fast_train(max_steps=1, statistics=["sum"]))
+    assert ckpt.proxy.statistics == ["sum"] and ckpt.mapper.config.num_statistics == 1
+    assert ckpt.training["train_config"]["statistics"] == ["sum"]
+    assert TrainConfig.from_dict(ckpt.training["train_config"]).statistics == ("sum",)
+
+
 def test_resume_accepts_a_manifest_written_before_statistics(tmp_path, target, tok, texts):
     cfg = data_config(proxy_kind="self")
     build_dataset(texts[:2], target, tok, tmp_path, cfg, oracle=fake_oracle, progress=False)

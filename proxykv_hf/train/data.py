@@ -208,6 +208,16 @@ class Manifest:
     def config(self) -> DataConfig:
         return DataConfig.from_dict(self.data_config)
 
+    def with_statistics(self, statistics: Sequence[str]) -> Manifest:
+        """This manifest as seen through a subset of its proxy statistics (e.g. ``["sum"]`` of a sum+max dataset:
+        what a mapper trained on those rows records as its proxy), or ``ValueError``."""
+        statistics = list(check_statistics(statistics))
+        stored = self.proxy_spec().statistics
+        if any(s not in stored for s in statistics):
+            raise ValueError(f"the dataset holds the proxy statistics {list(stored)}, not {statistics}")
+        return dataclasses.replace(self, proxy={**self.proxy, "statistics": statistics},
+                                   data_config={**self.data_config, "proxy_statistics": statistics})
+
     def summary(self) -> dict[str, Any]:
         """The data part of a checkpoint's ``training`` record."""
         return {"texts": self.texts, "crops": self.crops, "tokens": self.tokens, "tasks": self.tasks,

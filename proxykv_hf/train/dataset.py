@@ -7,7 +7,7 @@ import bisect
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -18,12 +18,24 @@ from .data import Manifest
 
 
 class MapperDataset(Dataset):
-    """The crops of a dataset directory; items are ``{"x" (L_s, H_s, C), "y" (L_l, H_kv, C), "mask" (C,)}``
-    float32 / bool, read lazily from the safetensors shards (one row at a time, files memory-mapped)."""
+    """The crops of a dataset directory; items are ``{"x" (L_s, S * H_s, C), "y" (L_l, H_kv, C), "mask" (C,)}``
+    float32 / bool, read lazily from the safetensors shards (one row at a time, files memory-mapped).
 
-    def __init__(self, data_dir: str | os.PathLike):
+    ``statistics`` reads a subset of the stored proxy statistics (default: all ``S`` of them, statistic-major
+    along the head axis); :attr:`manifest` then describes that subset
+    (:meth:`~proxykv_hf.train.data.Manifest.with_statistics`).
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, statistics: Sequence[str] | None = None):
         self.root = Path(data_dir)
         self.manifest = Manifest.load(self.root)
+        self._heads: Tensor | None = None
+        if statistics is not None:
+            stored = self.manifest.proxy_spec().statistics
+            self.manifest = self.manifest.with_statistics(statistics)
+            if list(statistics) != list(stored):
+                h = self.manifest.proxy["num_heads"]
+                self._heads = torch.cat([torch.arange(h) + stored.index(s) * h for s in statistics])
         self.files = [s["file"] for s in self.manifest.shards]
         counts = [s["crops"] for s in self.manifest.shards]
         self.offsets = [0]
@@ -51,7 +63,8 @@ class MapperDataset(Dataset):
         row = index - self.offsets[shard]
         f = self._open(shard)
         get = lambda name: f.get_slice(name)[row:row + 1][0]  # noqa: E731
-        return {"x": get("x").float(), "y": get("y").float(), "mask": get("mask").bool()}
+        x = get("x") if self._heads is None else get("x")[:, self._heads]
+        return {"x": x.float(), "y": get("y").float(), "mask": get("mask").bool()}
 
     @property
     def text_ids(self) -> list[int]:

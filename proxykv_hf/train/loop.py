@@ -30,7 +30,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Sampler
 from .._fields import check_known_fields
 from ..hub import Checkpoint, load_checkpoint, save_checkpoint
 from ..mapper import HybridAxialMapper, MapperConfig
+from ..scoring import check_statistics
 from .data import Manifest
 from .dataset import MapperDataset, split_dataset
 from .evaluate import evaluate_mapper, plot_training, read_log
@@ -84,6 +85,9 @@ class TrainConfig:
         layers_per_step: train each step on this many target layers drawn at random (the mapper is shared by
             all layers, so this is an unbiased estimate of the full loss at a fraction of the cost; the
             validation always scores every layer); None = all layers.
+        statistics: train on these proxy statistics of the dataset (a subset, e.g. ``("sum",)`` of a sum+max
+            dataset; :class:`~proxykv_hf.train.dataset.MapperDataset`); None = all it holds. The mapper config
+            must read as many (:func:`mapper_config_for` with the same ``statistics``).
         log_every: steps between ``"step"`` records of ``log.jsonl`` (each the mean over those steps).
         progress: tqdm bars (main process only).
     """
@@ -109,6 +113,7 @@ class TrainConfig:
     layers_per_step: int | None = None
     init_from: str | None = None
     direct_path_lr_mult: float = 1.0
+    statistics: tuple[str, ...] | None = None
     log_every: int = 50
     progress: bool = True
 
@@ -137,12 +142,15 @@ class TrainConfig:
             raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         if not self.eval_ratios or any(not 0 < r <= 1 for r in self.eval_ratios):
             raise ValueError(f"eval_ratios must be values in (0, 1], got {self.eval_ratios!r}")
+        if self.statistics is not None:
+            self.statistics = check_statistics(self.statistics)
         if not isinstance(self.loss, LossConfig):
             raise ValueError(f"loss must be a LossConfig, got {type(self.loss).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable field dict."""
-        return {**dataclasses.asdict(self), "loss": self.loss.to_dict(), "eval_ratios": list(self.eval_ratios)}
+        return {**dataclasses.asdict(self), "loss": self.loss.to_dict(), "eval_ratios": list(self.eval_ratios),
+                "statistics": None if self.statistics is None else list(self.statistics)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -202,11 +210,15 @@ def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
     return groups
 
 
-def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", **overrides) -> MapperConfig:
+def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", *,
+                      statistics: Sequence[str] | None = None, **overrides) -> MapperConfig:
     """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers,
-    heads and statistics (each read through :data:`STATISTIC_TRANSFORMS`), target layers and KV heads, and the
-    dataset's crop length and stride as the inference windows."""
+    heads and statistics (each read through :data:`STATISTIC_TRANSFORMS`; ``statistics``: a subset of the
+    dataset's, as ``TrainConfig.statistics``), target layers and KV heads, and the dataset's crop length and
+    stride as the inference windows."""
     manifest = data if isinstance(data, Manifest) else Manifest.load(data)
+    if statistics is not None:
+        manifest = manifest.with_statistics(statistics)
     if preset not in ("paper", "small", "tiny"):
         raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
     transforms = [STATISTIC_TRANSFORMS[s] for s in manifest.proxy_spec().statistics]
@@ -389,7 +401,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
 
     cfg = train_config or TrainConfig()
     out = Path(out_dir)
-    dataset = MapperDataset(data_dir)
+    dataset = MapperDataset(data_dir, statistics=cfg.statistics)
     manifest = dataset.manifest
     check_mapper_fits(mapper_config, manifest)
     if len(dataset) == 0:
