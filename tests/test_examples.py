@@ -1,0 +1,44 @@
+"""Scripts of examples/ that do arithmetic people read off (run on small hand-made inputs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(path: Path, method: str, scores: dict[tuple[str, int], list[float]], ratios=(0.1, 0.5)) -> str:
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"task": "qa", "context_length": 64, "sample": 0, "method": "full", "keep_ratio": 1.0,
+                             "score": 1.0}) + "\n")
+        for (task, sample), values in scores.items():
+            for r, v in zip(ratios, values):
+                fh.write(json.dumps({"task": task, "context_length": 64, "sample": sample, "method": method,
+                                     "keep_ratio": r, "score": v}) + "\n")
+    return str(path)
+
+
+def test_accuracy_on_common_samples(tmp_path, capsys):
+    mod = example("accuracy_on_common_samples")
+    a = write(tmp_path / "a.jsonl", "proxykv", {("qa", 0): [0.0, 1.0], ("qa", 1): [1.0, 1.0], ("vt", 0): [0.5, 0.5]})
+    b = write(tmp_path / "b.jsonl", "kvzip", {("qa", 0): [1.0, 1.0], ("vt", 0): [1.0, 1.0]})  # no ("qa", 1)
+    mod.main([f"new={a}", "--reference", f"oracle={b}:kvzip", "--held-out", "vt", "--oracle", "oracle"])
+    out = capsys.readouterr().out
+    assert "All tasks (2 samples)" in out and "Held-out tasks vt (1 samples)" in out
+    assert "| new | 25.0 | 75.0 | 50.0 | 50.0% |" in out  # ("qa", 1) is not in both runs: left out
+    assert "| new | 50.0 | 50.0 | 50.0 | 50.0% |" in out and "| oracle | 100.0 | 100.0 | 100.0 | 100.0% |" in out
+    with pytest.raises(SystemExit, match="one method"):
+        mod.main([f"x={write(tmp_path / 'c.jsonl', 'snapkv', {})}"])
+    with pytest.raises(SystemExit, match="not one of the labels"):
+        mod.main([f"new={a}", "--oracle", "kvzip"])
