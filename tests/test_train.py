@@ -527,6 +527,8 @@ def test_training_on_a_subset_of_the_statistics(self_data, tmp_path, target, tok
     assert ckpt.proxy.statistics == ["sum"] and ckpt.mapper.config.num_statistics == 1
     assert ckpt.training["train_config"]["statistics"] == ["sum"]
     assert TrainConfig.from_dict(ckpt.training["train_config"]).statistics == ("sum",)
+    with pytest.raises(ValueError, match="statistics"):  # resuming that run on the maxima instead
+        train_mapper(tmp_path / "data", tmp_path / "m", mcfg, fast_train(max_steps=2, statistics=["max"]))
 
 
 def test_resume_accepts_a_manifest_written_before_statistics(tmp_path, target, tok, texts):

@@ -332,7 +332,8 @@ def _save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: _S
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "state": dataclasses.asdict(state), "rng": rng, "mapper_config": config.to_dict(),
-                "order": {k: getattr(train_config, k) for k in _ORDER_FIELDS}},
+                "order": {k: getattr(train_config, k) for k in _ORDER_FIELDS},
+                "statistics": None if train_config.statistics is None else list(train_config.statistics)},
                tmp / "state.pt")
     if last.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -356,6 +357,10 @@ def _load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: tor
     if changed:
         logger.warning("resuming %s with other %s (saved, new): the data order differs from the saved run's",
                        path, changed)
+    ours = None if train_config.statistics is None else list(train_config.statistics)
+    if saved.get("statistics") != ours:  # same count, other rows: the mapper config alone would not tell
+        raise ValueError(f"{path} holds a run on the statistics {saved.get('statistics') or 'all'}, not "
+                         f"{ours or 'all'}; use another out_dir or resume=False")
     if saved["mapper_config"] != config.to_dict():
         diff = {k: (saved["mapper_config"].get(k), v) for k, v in config.to_dict().items()
                 if saved["mapper_config"].get(k) != v}
