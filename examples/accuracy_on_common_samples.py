@@ -1,8 +1,8 @@
 """Mean accuracy (%) per keep ratio of several eval runs, over the samples they all hold (one table row per run).
 
-    python examples/accuracy_on_common_samples.py shipped=docs/data/eval_2k_proxykv.jsonl \
-        new=runs/s7/eval-2k-sum/results.jsonl --reference kvzip=docs/data/eval_2k_grid.jsonl \
-        --held-out vt qa
+    python examples/accuracy_on_common_samples.py new=runs/s7/eval-2k-sum/results.jsonl \
+        --reference shipped=docs/data/eval_2k_proxykv.jsonl:proxykv kvzip=docs/data/eval_2k_grid.jsonl \
+        --held-out vt qa --oracle kvzip
 
 Each ``LABEL=PATH`` is a ``results.jsonl`` of ``proxykv eval`` holding one method other than the full cache (its
 ProxyKV records, say). ``--reference LABEL=PATH:METHOD`` rows come from a method of another file (default method:
@@ -32,7 +32,8 @@ def load(path: str, method: str | None = None) -> dict[tuple, dict[float, float]
             methods.add(r["method"])
             out[(r["task"], r["context_length"], r["sample"])][r["keep_ratio"]] = r["score"]
     if len(methods) != 1:
-        raise SystemExit(f"{path}: expected one method, found {sorted(methods) or 'none'}; name it as LABEL=PATH:METHOD")
+        raise SystemExit(f"{path}: expected one method, found {sorted(methods) or 'none'}; "
+                         "name it as LABEL=PATH:METHOD")
     return out
 
 
@@ -40,11 +41,12 @@ def table(runs: dict[str, dict], keys: list[tuple], ratios: list[float], title: 
           oracle: str | None = None) -> list[str]:
     means = {label: [100 * sum(s[k][r] for k in keys) / len(keys) for r in ratios] for label, s in runs.items()}
     mean = {label: sum(m) / len(m) for label, m in means.items()}
-    lines = [f"{title} ({len(keys)} samples)", "",
-             "| run | " + " | ".join(f"rho={r:g}" for r in ratios) + " | mean |" + (f" of {oracle} |" if oracle else ""),
-             "|---" * (len(ratios) + 2 + bool(oracle)) + "|"]
+    header = "| run | " + " | ".join(f"rho={r:g}" for r in ratios) + " | mean |" + (f" of {oracle} |" if oracle else "")
+    lines = [f"{title} ({len(keys)} samples)", "", header, "|---" * (len(ratios) + 2 + bool(oracle)) + "|"]
     for label, m in means.items():
-        share = f" {100 * mean[label] / mean[oracle]:.1f}% |" if oracle and mean[oracle] > 0 else (" |" if oracle else "")
+        share = ""
+        if oracle:
+            share = f" {100 * mean[label] / mean[oracle]:.1f}% |" if mean[oracle] > 0 else " |"
         lines.append(f"| {label} | " + " | ".join(f"{v:.1f}" for v in m) + f" | {mean[label]:.1f} |" + share)
     return lines + [""]
 

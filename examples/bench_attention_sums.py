@@ -4,7 +4,7 @@
 
 The shape defaults to one Llama-3.2-1B layer (32 query heads, 8 KV heads, head dim 64) in bfloat16: the work the
 proxy does per layer on top of its own prefill. ``--statistics sum max`` times the sums with the per-key maxima
-(the shipped SmolLM2 mapper's features) instead of the sums alone.
+(what a sum+max mapper reads) instead of the sums alone.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--statistics", nargs="+", default=["sum"], choices=["sum", "max"])
     ns = p.parse_args()
+    stats = tuple(ns.statistics)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| N | torch ms | triton ms | speed-up | torch peak MiB | triton peak MiB | max rel. diff |")
     print("|---|---|---|---|---|---|---|")
@@ -48,7 +49,6 @@ def main() -> None:
         torch.manual_seed(0)
         q = torch.randn(1, ns.heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, ns.kv_heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
-        stats = tuple(ns.statistics)
         t_ref, m_ref, ref = measure(lambda: attention_sums(q, k, backend="torch", statistics=stats), ns.repeats)
         t_fused, m_fused, got = measure(lambda: attention_sums(q, k, backend="triton", statistics=stats), ns.repeats)
         diff = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()

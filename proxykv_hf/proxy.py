@@ -41,8 +41,8 @@ class ProxySpec:
         num_layers: L_s, the number of proxy layers the mapper reads.
         num_heads: H_s, query heads per proxy layer.
         statistics: per-key statistics of each head's attention the mapper reads
-            (:data:`proxykv_hf.scoring.STATISTICS`): ``["sum"]`` (the paper's feature) or e.g. ``["sum", "max"]``; the features then hold
-            ``len(statistics) * H_s`` rows per layer, statistic-major.
+            (:data:`proxykv_hf.scoring.STATISTICS`): ``["sum"]`` (the paper's feature) or e.g. ``["sum", "max"]``;
+            the features then hold ``len(statistics) * H_s`` rows per layer, statistic-major.
     """
 
     kind: str

@@ -164,9 +164,9 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------------------------ pieces
 ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters start as a no-op: value off
-# mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
 # the input transform a dataset's statistic gets by default (docs/training.md: the maxima through log1p went unused)
 STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log"}
+# mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
 WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2))}
 
 
@@ -333,7 +333,7 @@ def _save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: _S
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "state": dataclasses.asdict(state), "rng": rng, "mapper_config": config.to_dict(),
                 "order": {k: getattr(train_config, k) for k in _ORDER_FIELDS},
-                "statistics": None if train_config.statistics is None else list(train_config.statistics)},
+                "statistics": train_config.statistics},
                tmp / "state.pt")
     if last.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -357,10 +357,9 @@ def _load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: tor
     if changed:
         logger.warning("resuming %s with other %s (saved, new): the data order differs from the saved run's",
                        path, changed)
-    ours = None if train_config.statistics is None else list(train_config.statistics)
-    if saved.get("statistics") != ours:  # same count, other rows: the mapper config alone would not tell
+    if saved.get("statistics") != train_config.statistics:  # same count, other rows: the mapper config would pass
         raise ValueError(f"{path} holds a run on the statistics {saved.get('statistics') or 'all'}, not "
-                         f"{ours or 'all'}; use another out_dir or resume=False")
+                         f"{train_config.statistics or 'all'}; use another out_dir or resume=False")
     if saved["mapper_config"] != config.to_dict():
         diff = {k: (saved["mapper_config"].get(k), v) for k, v in config.to_dict().items()
                 if saved["mapper_config"].get(k) != v}
