@@ -8,7 +8,9 @@ Each ``LABEL=PATH`` is a ``results.jsonl`` of ``proxykv eval`` holding one metho
 ProxyKV records, say). ``--reference LABEL=PATH:METHOD`` rows come from a method of another file (default method:
 the label). Only the (task, context length, sample) triples every run and reference holds are counted, so runs of
 different sizes compare on the same samples; the table says how many. ``--held-out`` adds a row block for those
-tasks alone; ``--oracle LABEL`` gives each mean as a share of that run's too.
+tasks alone; ``--oracle LABEL`` gives each mean as a share of that run's too. ``--report DIR`` writes those
+samples' records, each run's under its label as the method (plus the full-cache records any input holds for them),
+to ``DIR/results.jsonl`` with the harness's ``results.md`` (per-task table included) and ``accuracy.png``.
 """
 
 from __future__ import annotations
@@ -16,24 +18,51 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from pathlib import Path
+
+
+def read(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
 
 
 def load(path: str, method: str | None = None) -> dict[tuple, dict[float, float]]:
     """``{(task, length, sample): {keep_ratio: score}}`` of one method (the only non-full one when None)."""
     out: dict[tuple, dict[float, float]] = defaultdict(dict)
     methods = set()
-    with open(path) as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r["method"] == "full" or (method is not None and r["method"] != method):
-                continue
-            methods.add(r["method"])
-            out[(r["task"], r["context_length"], r["sample"])][r["keep_ratio"]] = r["score"]
+    for r in read(path):
+        if r["method"] == "full" or (method is not None and r["method"] != method):
+            continue
+        methods.add(r["method"])
+        out[(r["task"], r["context_length"], r["sample"])][r["keep_ratio"]] = r["score"]
     if len(methods) != 1:
         raise SystemExit(f"{path}: expected one method, found {sorted(methods) or 'none'}; "
                          "name it as LABEL=PATH:METHOD")
+    return out
+
+
+def write_report(out_dir: str, sources: dict[str, tuple[str, str | None]], keys: list[tuple],
+                 ratios: list[float], held_out: list[str]) -> Path:
+    """The records behind the table (``{label: (path, method)}`` on ``keys`` and ``ratios``) as a harness report."""
+    from proxykv_hf.eval.report import markdown, plot
+
+    keep, records, full = set(keys), [], {}
+    for label, (path, method) in sources.items():
+        for r in read(path):
+            key = (r["task"], r["context_length"], r["sample"])
+            if key not in keep:
+                continue
+            if r["method"] == "full":
+                full.setdefault(key, r)
+            elif (method is None or r["method"] == method) and r["keep_ratio"] in ratios:
+                records.append(dict(r, method=label))
+    records += full.values()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    (out / "results.md").write_text(markdown(records, held_out))
+    plot(records, out / "accuracy.png")
     return out
 
 
@@ -57,15 +86,17 @@ def main(argv=None) -> None:
     p.add_argument("--reference", nargs="*", default=[], metavar="LABEL=PATH[:METHOD]")
     p.add_argument("--held-out", nargs="*", default=[])
     p.add_argument("--oracle", default=None, help="label of the run each mean is also given as a share of")
+    p.add_argument("--report", default=None, metavar="DIR", help="write the compared records, table and plot here")
     ns = p.parse_args(argv)
-    runs: dict[str, dict] = {}
+    sources: dict[str, tuple[str, str | None]] = {}
     for item in ns.runs:
         label, _, path = item.partition("=")
-        runs[label] = load(path)
+        sources[label] = (path, None)
     for item in ns.reference:
         label, _, rest = item.partition("=")
         path, _, method = rest.partition(":")
-        runs[label] = load(path, method or label)
+        sources[label] = (path, method or label)
+    runs = {label: load(path, method) for label, (path, method) in sources.items()}
     ratios = sorted(set.intersection(*({r for per in s.values() for r in per} for s in runs.values())))
     keys = sorted(k for k in set.intersection(*(set(s) for s in runs.values()))
                   if all(set(ratios) <= set(s[k]) for s in runs.values()))  # samples with every ratio in every run
@@ -78,6 +109,9 @@ def main(argv=None) -> None:
     if held:
         lines += table(runs, held, ratios, "Held-out tasks " + ", ".join(ns.held_out), ns.oracle)
     print("\n".join(lines))
+    if ns.report:
+        out = write_report(ns.report, sources, keys, ratios, ns.held_out)
+        print(f"records, results.md and accuracy.png: {out}")
 
 
 if __name__ == "__main__":

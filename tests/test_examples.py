@@ -38,6 +38,14 @@ def test_accuracy_on_common_samples(tmp_path, capsys):
     assert "All tasks (2 samples)" in out and "Held-out tasks vt (1 samples)" in out
     assert "| new | 25.0 | 75.0 | 50.0 | 50.0% |" in out  # ("qa", 1) is not in both runs: left out
     assert "| new | 50.0 | 50.0 | 50.0 | 50.0% |" in out and "| oracle | 100.0 | 100.0 | 100.0 | 100.0% |" in out
+    mod.main([f"new={a}", "--reference", f"oracle={b}:kvzip", "--report", str(tmp_path / "rep")])
+    records = [json.loads(line) for line in (tmp_path / "rep" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["task"], r["sample"], r["keep_ratio"]) for r in records) == [
+        ("full", "qa", 0, 1.0), ("new", "qa", 0, 0.1), ("new", "qa", 0, 0.5), ("new", "vt", 0, 0.1),
+        ("new", "vt", 0, 0.5), ("oracle", "qa", 0, 0.1), ("oracle", "qa", 0, 0.5), ("oracle", "vt", 0, 0.1),
+        ("oracle", "vt", 0, 0.5)]  # the shared samples only, each run under its label, one full-cache record
+    assert "| new | 25.0 | 75.0 |" in (tmp_path / "rep" / "results.md").read_text()
+    assert (tmp_path / "rep" / "accuracy.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="one method"):
         mod.main([f"x={write(tmp_path / 'c.jsonl', 'snapkv', {})}"])
     with pytest.raises(SystemExit, match="not one of the labels"):
