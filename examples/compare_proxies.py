@@ -55,17 +55,19 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=100)
     ns = p.parse_args(argv)
     model, tok = load_model_and_tokenizer()
-    mapper = load_checkpoint(BUNDLED_MAPPER).mapper
+    ckpt = load_checkpoint(BUNDLED_MAPPER)
+    mapper = ckpt.mapper
     rows: dict[str, list[tuple[float, float]]] = {"self": [], "layers": [], "kvzip": [], "mapper": []}
     for sample in task_lib.generate(ns.task, ns.n_samples, ns.tokens, tok, ns.seed):
         ids, pos = needle_positions(sample, tok)
+        features = proxy_features(model, ids, statistics=ckpt.proxy.statistics)[0]  # what the mapper reads
         sources = {
-            "self": proxy_features(model, ids)[0],  # (30, 9, N)
+            "self": proxy_features(model, ids)[0],  # (30, 9, N): the attention sums
             "layers": proxy_features(model, ids, layers=every_kth_layer(model.config.num_hidden_layers, 3))[0],
             "kvzip": kvzip_scores(model, ids, tokenizer=tok)[:, 0],  # (30, 3, N)
         }
         with torch.no_grad():
-            sources["mapper"] = mapper(sources["self"][None])[0]  # (30, 3, N)
+            sources["mapper"] = mapper(features[None])[0]  # (30, 3, N)
         for name, scores in sources.items():
             per_head = rank_percentile(scores.float(), pos)  # (L, H)
             per_layer = per_head.min(-1).values if name in ("self", "layers") else per_head.mean(-1)  # (L,)

@@ -56,8 +56,10 @@ def test_bench_tiny(tmp_path, capsys):
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.md").exists()
 
 
-def test_bench_self_proxy_breakdown(tmp_path, capsys):
-    """A self-proxy mapper scores inside the target's prefill: its breakdown says so (no overlap to claim)."""
+@pytest.mark.parametrize("statistics", [("sum",), ("sum", "max")])
+def test_bench_self_proxy_breakdown(tmp_path, capsys, statistics):
+    """A self-proxy mapper scores inside the target's prefill: its breakdown says so (no overlap to claim), and
+    times the features the mapper reads (the shipped mapper reads sums and maxima)."""
     from proxykv_hf.hub import Checkpoint, save_checkpoint
     from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
     from proxykv_hf.proxy import ProxySpec
@@ -66,9 +68,10 @@ def test_bench_self_proxy_breakdown(tmp_path, capsys):
 
     model = tiny_model("llama", num_hidden_layers=4)  # the --tiny target
     target = target_spec_of(model, "tiny")
-    spec = ProxySpec(kind="self", num_layers=target.num_layers, num_heads=target.num_heads)
+    spec = ProxySpec(kind="self", num_layers=target.num_layers, num_heads=target.num_heads, statistics=statistics)
     cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=spec.num_heads,
-                            num_target_layers=target.num_layers, num_target_heads=target.num_kv_heads)
+                            num_target_layers=target.num_layers, num_target_heads=target.num_kv_heads,
+                            num_statistics=len(statistics))
     save_checkpoint(Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target), tmp_path / "m")
     main(["bench", "--tiny", "--methods", "full", "proxykv", "--mapper", str(tmp_path / "m"), "--context-lengths",
           "64", "--repeats", "1", "--decode-tokens", "0"])

@@ -203,11 +203,13 @@ class Bench:
         from ..proxy import proxy_features
 
         runner, layers, mapper, kind = self.proxy_parts
-        mask = torch.ones_like(ids)
-        x, t_proxy = timed(lambda: proxy_features(runner, ids, mask, layers=layers), self.device)
+        mask, scorer = torch.ones_like(ids), self.scorers["proxykv"]
+        # the features the scorer computes: its statistics (sum, or sum and max) and query chunks
+        x, t_proxy = timed(lambda: proxy_features(runner, ids, mask, layers=layers, chunk_size=scorer.chunk_size,
+                                                  statistics=scorer.spec.statistics), self.device)
         if kind == "self":  # features come out of the target's own prefill: only the attention sums are extra
             t_proxy = max(0.0, t_proxy - plain_prefill_s)
-        dev, scorer = next(mapper.parameters()).device, self.scorers["proxykv"]
+        dev = next(mapper.parameters()).device
         # as ProxyScorer runs it on an unpadded prompt: its autocast, no padding mask
         _, t_mapper = timed(lambda: scorer._map(lambda: mapper(x.to(dev), attention_mask=None), dev), self.device)
         scores = torch.rand(1, full.layers[0].keys.shape[1], ids.shape[1], device=self.device)
