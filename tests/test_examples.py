@@ -50,3 +50,18 @@ def test_accuracy_on_common_samples(tmp_path, capsys):
         mod.main([f"x={write(tmp_path / 'c.jsonl', 'snapkv', {})}"])
     with pytest.raises(SystemExit, match="not one of the labels"):
         mod.main([f"new={a}", "--oracle", "kvzip"])
+
+
+def test_val_unseen_texts_keeps_only_texts_no_run_trained_on():
+    from proxykv_hf.train import split_dataset
+
+    mod = example("val_unseen_texts")
+    text_ids = [t for t in range(30) for _ in range(2)]  # 30 texts of 2 crops; the earlier run had the first 12
+    keep = mod.unseen_val_indices(text_ids, 24, 0.2, 0)
+    earlier_train, _ = split_dataset(mod._Texts(text_ids[:24]), 0.2, 0, by_text=True)
+    _, val = split_dataset(mod._Texts(text_ids), 0.2, 0, by_text=True)
+    seen = {text_ids[i] for i in earlier_train.indices}
+    assert keep == [i for i in val.indices if text_ids[i] not in seen] and keep
+    assert len(keep) < len(val.indices), "with this seed some validation texts were earlier training texts"
+    with pytest.raises(SystemExit, match="earlier-crops"):
+        mod.unseen_val_indices(text_ids, 0, 0.2, 0)
