@@ -26,11 +26,12 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def load(path: str, method: str | None = None) -> dict[tuple, dict[float, float]]:
-    """``{(task, length, sample): {keep_ratio: score}}`` of one method (the only non-full one when None)."""
+def load(path: str, records: list[dict], method: str | None = None) -> dict[tuple, dict[float, float]]:
+    """``{(task, length, sample): {keep_ratio: score}}`` of one method of ``path``'s records (the only non-full one
+    when None)."""
     out: dict[tuple, dict[float, float]] = defaultdict(dict)
     methods = set()
-    for r in read(path):
+    for r in records:
         if r["method"] == "full" or (method is not None and r["method"] != method):
             continue
         methods.add(r["method"])
@@ -41,14 +42,15 @@ def load(path: str, method: str | None = None) -> dict[tuple, dict[float, float]
     return out
 
 
-def write_report(out_dir: str, sources: dict[str, tuple[str, str | None]], keys: list[tuple],
+def write_report(out_dir: str, sources: dict[str, tuple[list[dict], str | None]], keys: list[tuple],
                  ratios: list[float], held_out: list[str]) -> Path:
-    """The records behind the table (``{label: (path, method)}`` on ``keys`` and ``ratios``) as a harness report."""
+    """The records behind the table (``{label: (records, method)}`` on ``keys`` and ``ratios``) as a harness
+    report."""
     from proxykv_hf.eval.report import markdown, plot
 
     keep, records, full = set(keys), [], {}
-    for label, (path, method) in sources.items():
-        for r in read(path):
+    for label, (source, method) in sources.items():
+        for r in source:
             key = (r["task"], r["context_length"], r["sample"])
             if key not in keep:
                 continue
@@ -88,15 +90,17 @@ def main(argv=None) -> None:
     p.add_argument("--oracle", default=None, help="label of the run each mean is also given as a share of")
     p.add_argument("--report", default=None, metavar="DIR", help="write the compared records, table and plot here")
     ns = p.parse_args(argv)
-    sources: dict[str, tuple[str, str | None]] = {}
+    paths: dict[str, tuple[str, str | None]] = {}
     for item in ns.runs:
         label, _, path = item.partition("=")
-        sources[label] = (path, None)
+        paths[label] = (path, None)
     for item in ns.reference:
         label, _, rest = item.partition("=")
         path, _, method = rest.partition(":")
-        sources[label] = (path, method or label)
-    runs = {label: load(path, method) for label, (path, method) in sources.items()}
+        paths[label] = (path, method or label)
+    files = {path: read(path) for path, _ in paths.values()}  # each file read once
+    sources = {label: (files[path], method) for label, (path, method) in paths.items()}
+    runs = {label: load(path, files[path], method) for label, (path, method) in paths.items()}
     ratios = sorted(set.intersection(*({r for per in s.values() for r in per} for s in runs.values())))
     keys = sorted(k for k in set.intersection(*(set(s) for s in runs.values()))
                   if all(set(ratios) <= set(s[k]) for s in runs.values()))  # samples with every ratio in every run

@@ -56,13 +56,16 @@ def main(argv=None) -> None:
     ns = p.parse_args(argv)
     model, tok = load_model_and_tokenizer()
     ckpt = load_checkpoint(BUNDLED_MAPPER)
-    mapper = ckpt.mapper
+    mapper, heads, stats = ckpt.mapper, model.config.num_attention_heads, list(ckpt.proxy.statistics)
+    if "sum" not in stats:
+        raise SystemExit(f"the bundled mapper reads {stats}; this comparison needs the attention sums among them")
+    rows_sum = slice(stats.index("sum") * heads, (stats.index("sum") + 1) * heads)  # statistic-major rows
     rows: dict[str, list[tuple[float, float]]] = {"self": [], "layers": [], "kvzip": [], "mapper": []}
     for sample in task_lib.generate(ns.task, ns.n_samples, ns.tokens, tok, ns.seed):
         ids, pos = needle_positions(sample, tok)
-        features = proxy_features(model, ids, statistics=ckpt.proxy.statistics)[0]  # what the mapper reads
+        features = proxy_features(model, ids, statistics=stats)[0]  # what the mapper reads
         sources = {
-            "self": proxy_features(model, ids)[0],  # (30, 9, N): the attention sums
+            "self": features[:, rows_sum],  # (30, 9, N): the attention sums
             "layers": proxy_features(model, ids, layers=every_kth_layer(model.config.num_hidden_layers, 3))[0],
             "kvzip": kvzip_scores(model, ids, tokenizer=tok)[:, 0],  # (30, 3, N)
         }

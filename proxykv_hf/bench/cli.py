@@ -1,4 +1,5 @@
-"""``proxykv bench``: build the target, its scorers and (for ProxyKV) the proxy parts, then run and report."""
+"""``proxykv bench``: build the target, its scorers and (for ProxyKV) the model its features come from, then run
+and report."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from .run import Bench, BenchConfig, plot, summary_json, table
 
 
 def _scorers(ns, model, tok, tmp: str):
-    """name -> scorer (None for the full cache), plus (runner, layers, mapper, proxy kind) for the ProxyKV
-    breakdown."""
+    """name -> scorer (None for the full cache), plus the model the ProxyKV scorer's features come from (for its
+    breakdown; None without ProxyKV)."""
     from ..cache import ProxyKVCache
     from ..cli import _mapper_for
     from ..scorers import SnapKVScorer
 
-    scorers, parts = {"full": None}, None
+    scorers, runner = {"full": None}, None
     for method in ns.methods:
         if method == "snapkv":
             scorers[method] = SnapKVScorer()
@@ -38,8 +39,7 @@ def _scorers(ns, model, tok, tmp: str):
                                                   proxy_device=ns.proxy_device or ns.device).scorer
             scorers[method] = scorer
             runner = scorer.proxy_model if scorer.spec.kind == "model" else model
-            parts = (runner, scorer.spec.layers, scorer.mapper, scorer.spec.kind)
-    return scorers, parts
+    return scorers, runner
 
 
 def _shape_setup(ns, tmp: str):
@@ -71,8 +71,8 @@ def run_bench(ns) -> int:
     cfg = from_args(BenchConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
-        scorers, parts = _scorers(ns, model, tok, tmp)
-        bench = Bench(model, scorers, cfg, proxy_parts=parts)
+        scorers, runner = _scorers(ns, model, tok, tmp)
+        bench = Bench(model, scorers, cfg, proxy_runner=runner)
         rows = bench.run()
     env = environment(model)
     env["shape"] = ns.shape

@@ -145,13 +145,13 @@ def timed(fn, device: torch.device) -> tuple[object, float]:
 class Bench:
     """Runs a :class:`BenchConfig` for one target (and the scorers built for it)."""
 
-    def __init__(self, model, scorers: dict, config: BenchConfig, *, proxy_parts=None):
+    def __init__(self, model, scorers: dict, config: BenchConfig, *, proxy_runner=None):
         self.model, self.scorers, self.config = model, scorers, config
         self.device = next(model.parameters()).device
-        self.proxy_parts = proxy_parts  # (runner, layers, mapper) to time the ProxyKV breakdown
+        self.proxy_runner = proxy_runner  # the model the ProxyKV features come from, to time its breakdown
         self.vocab = model.config.vocab_size
-        if proxy_parts is not None:  # ids every model reads (Qwen2.5-1.5B's table is 128 rows shorter than 7B's)
-            self.vocab = min(self.vocab, getattr(getattr(proxy_parts[0], "config", None), "vocab_size", self.vocab))
+        if proxy_runner is not None:  # ids every model reads (Qwen2.5-1.5B's table is 128 rows shorter than 7B's)
+            self.vocab = min(self.vocab, getattr(getattr(proxy_runner, "config", None), "vocab_size", self.vocab))
 
     def _prompt(self, n: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.config.seed + n)
@@ -200,13 +200,10 @@ class Bench:
 
     @torch.no_grad()
     def _breakdown(self, ids: torch.Tensor, full: ProxyKVCache, plain_prefill_s: float) -> dict:
-        from ..proxy import proxy_features
-
-        runner, layers, mapper, kind = self.proxy_parts
-        mask, scorer = torch.ones_like(ids), self.scorers["proxykv"]
-        # the features the scorer computes: its statistics (sum, or sum and max) and query chunks
-        x, t_proxy = timed(lambda: proxy_features(runner, ids, mask, layers=layers, chunk_size=scorer.chunk_size,
-                                                  statistics=scorer.spec.statistics), self.device)
+        scorer = self.scorers["proxykv"]
+        mapper, kind = scorer.mapper, scorer.spec.kind
+        x, t_proxy = timed(lambda: scorer.features(self.proxy_runner, ids, torch.ones_like(ids)),
+                           self.device)  # what its mapper reads
         if kind == "self":  # features come out of the target's own prefill: only the attention sums are extra
             t_proxy = max(0.0, t_proxy - plain_prefill_s)
         dev = next(mapper.parameters()).device
@@ -248,7 +245,7 @@ class Bench:
                     row.update(self._decode(cache))
                 if method == "full":
                     base = row
-                    if self.proxy_parts is not None and "proxykv" in cfg.methods:
+                    if self.proxy_runner is not None and "proxykv" in cfg.methods:
                         base["breakdown"] = self._breakdown(ids, cache if cfg.decode_tokens == 0 else
                                                             self._prefill("full", ids), row["ttft_s"])
                 row["ttft_vs_full"] = row["ttft_s"] / base["ttft_s"]

@@ -140,9 +140,14 @@ class ProxyScorer(Scorer):
             return fn().float()
 
     @torch.no_grad()
+    def features(self, runner, ids, mask) -> torch.Tensor:
+        """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics."""
+        return proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
+                              statistics=self.spec.statistics)
+
+    @torch.no_grad()
     def _run(self, runner, ids, mask) -> torch.Tensor:
-        x = proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
-                           statistics=self.spec.statistics)
+        x = self.features(runner, ids, mask)
         return self._map(lambda: self.mapper(x, attention_mask=mask), ids.device)  # (B, L_l, H_l, N)
 
     @torch.no_grad()
