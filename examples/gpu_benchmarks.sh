@@ -8,12 +8,13 @@ bench() { python3 -m proxykv_hf.cli bench --dtype bfloat16 --keep-ratio 0.3 "$@"
 case $phase in
   tests)
     python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
-    python3 examples/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536 ;;
+    python3 examples/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536
+    python3 examples/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536 --statistics sum max ;;
   llama)
     bench --shape llama-3.1-8b --methods full snapkv ${KVZIP-kvzip} proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/llama" ;;
   qwen)
-    bench --shape qwen2.5-7b --methods full snapkv kvzip proxykv --context-lengths 4096 8192 16384 32768 \
+    bench --shape qwen2.5-7b --methods full snapkv kvzip kvzip_iam proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/qwen" ;;
   long)  # expandable segments: the 128k prefill otherwise fails on fragmentation (12 GiB reserved, unused)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --shape llama-3.1-8b --methods full proxykv --context-lengths 65536 131072 --repeats 1 --warmup 0 \
