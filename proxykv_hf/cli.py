@@ -175,6 +175,13 @@ def cmd_build_data(ns) -> int:
     return 0
 
 
+def cmd_merge_data(ns) -> int:
+    from .train import merge_datasets
+
+    print(json.dumps(merge_datasets(ns.sources, ns.out).summary(), indent=2))
+    return 0
+
+
 def cmd_train(ns) -> int:
     from .train.losses import LossConfig
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
@@ -281,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scores-from", default=None, metavar="DIR",
                    help="a dataset built before from the same texts and target: reuse its oracle scores")
     p.set_defaults(fn=cmd_build_data)
+
+    p = sub.add_parser("merge-data", help="merge datasets built apart (e.g. in parallel) into a new directory")
+    p.add_argument("sources", nargs="+", metavar="DIR")
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_merge_data)
 
     p = sub.add_parser("train", help="train a HybridAxialMapper on built data")
     add_dataclass_args(p, TrainConfig, skip=("loss",))

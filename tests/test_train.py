@@ -17,7 +17,7 @@ from proxykv_hf.mapper import HybridAxialMapper
 from proxykv_hf.proxy import proxy_features
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 from proxykv_hf.train import (DataConfig, Manifest, MapperDataset, TrainConfig, build_dataset, crop_starts,
-                              mapper_config_for, split_dataset, texts_from_files, texts_from_hf_dataset,
+                              mapper_config_for, merge_datasets, split_dataset, texts_from_files, texts_from_hf_dataset,
                               train_mapper)
 from proxykv_hf.train.data import check_shared_tokenizer
 from proxykv_hf.train.evaluate import read_log
@@ -202,6 +202,31 @@ def test_dataset_items_and_deterministic_split(self_data):
     assert len(crops) == math.ceil(0.2 * len(ds)) and crops == split_dataset(ds, 0.2, seed=3, by_text=False)[1].indices
     assert crops != split_dataset(ds, 0.2, seed=4, by_text=False)[1].indices
     assert split_dataset(ds, 0.0)[1].indices == []
+
+
+def test_merge_datasets_built_apart(tmp_path, target, tok, texts):
+    cfg = data_config(proxy_kind="self")
+    a = build_dataset(texts[:4], target, tok, tmp_path / "a", cfg, oracle=fake_oracle, progress=False)
+    b = build_dataset(texts[4:], target, tok, tmp_path / "b", data_config(proxy_kind="self", shard_size=3),
+                      oracle=fake_oracle, progress=False)
+    whole = build_dataset(texts, target, tok, tmp_path / "whole", cfg, oracle=fake_oracle, progress=False)
+    m = merge_datasets([tmp_path / "a", tmp_path / "b"], tmp_path / "ab")
+    assert (m.texts, m.crops, m.tokens) == (a.texts + b.texts, a.crops + b.crops, a.tokens + b.tokens)
+    assert (m.texts, m.crops, m.tokens, m.sources) == (whole.texts, whole.crops, whole.tokens, whole.sources)
+    assert Manifest.load(tmp_path / "ab").done == a.done + b.done
+    merged, ref = MapperDataset(tmp_path / "ab"), MapperDataset(tmp_path / "whole")
+    assert len(merged) == len(ref) and merged.text_ids == ref.text_ids  # text ids offset past the first source's
+    for i in range(len(ref)):
+        for name in ("x", "y", "mask"):
+            torch.testing.assert_close(merged[i][name], ref[i][name])
+    with pytest.raises(ValueError, match="in both"):
+        merge_datasets([tmp_path / "a", tmp_path / "whole"], tmp_path / "dup")
+    with pytest.raises(ValueError, match="not empty"):
+        merge_datasets([tmp_path / "a", tmp_path / "b"], tmp_path / "ab")
+    build_dataset(texts[4:], target, tok, tmp_path / "c", data_config(proxy_kind="self", crop_len=48),
+                  oracle=fake_oracle, progress=False)
+    with pytest.raises(ValueError, match="crop_len"):
+        merge_datasets([tmp_path / "a", tmp_path / "c"], tmp_path / "ac")
 
 
 # ------------------------------------------------------------------------------------------------ round trip

@@ -2,7 +2,7 @@
 back (:mod:`.dataset`), the hybrid loss (:mod:`.losses`), retention metrics (:mod:`.metrics`) and the training loop
 (:mod:`.loop`)."""
 
-from .data import DataConfig, Manifest, build_dataset, crop_starts
+from .data import DataConfig, Manifest, build_dataset, crop_starts, merge_datasets
 from .dataset import MapperDataset, split_dataset
 from .evaluate import evaluate_mapper, plot_training
 from .loop import TrainConfig, mapper_config_for, train_mapper
@@ -17,6 +17,7 @@ __all__ = [
     "crop_starts",
     "evaluate_mapper",
     "mapper_config_for",
+    "merge_datasets",
     "plot_training",
     "split_dataset",
     "texts_from_files",

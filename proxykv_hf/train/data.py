@@ -455,19 +455,27 @@ class _ShardWriter:
         self.crops, self.pending = [], []
 
 
-def _check_resumable(old: Manifest, new: Manifest, out: Path) -> None:
+def _mismatch(old: Manifest, new: Manifest) -> str | None:
+    """What differs between two datasets' target, proxy, tokenizer or data config (the shard size aside), or None."""
     old = dataclasses.replace(old, proxy=old.proxy_spec().to_dict(),  # fields added since it was written: defaults
                               data_config=DataConfig.from_dict(old.data_config).to_dict())
+    new = dataclasses.replace(new, proxy=new.proxy_spec().to_dict(),
+                              data_config=DataConfig.from_dict(new.data_config).to_dict())
     for name in ("target", "proxy", "tokenizer"):
         if getattr(old, name) != getattr(new, name):
-            raise ValueError(f"{out} was built with {name} {getattr(old, name)}, not {getattr(new, name)}; "
-                             "use another out_dir or resume=False to rebuild")
+            return f"{name} {getattr(old, name)}, not {getattr(new, name)}"
     a = {k: v for k, v in old.data_config.items() if k not in _RESUME_FREE}
     b = {k: v for k, v in new.data_config.items() if k not in _RESUME_FREE}
     if a != b:
         diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-        raise ValueError(f"{out} was built with another data config (field: (old, new)) {diff}; "
-                         "use another out_dir or resume=False to rebuild")
+        return f"another data config (field: (old, new)) {diff}"
+    return None
+
+
+def _check_resumable(old: Manifest, new: Manifest, out: Path) -> None:
+    problem = _mismatch(old, new)
+    if problem:
+        raise ValueError(f"{out} was built with {problem}; use another out_dir or resume=False to rebuild")
 
 
 def stored_scores(data_dir: str | os.PathLike) -> tuple[dict[str, Tensor], Manifest]:
@@ -597,3 +605,64 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
     logger.info("dataset %s: %d texts, %d tokens, %d crops in %d shards, %.1f MB", out, manifest.texts,
                 manifest.tokens, manifest.crops, len(manifest.shards), manifest.disk_bytes / 2**20)
     return manifest
+
+
+def merge_datasets(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> Manifest:
+    """Merge datasets built apart (e.g. by parallel ``build-data`` runs) into a new directory ``out_dir``.
+
+    The sources must share target, proxy, tokenizer and data config (``crop_len``, ``stride``, ...; the shard
+    size may differ) and hold no text twice. Shards are copied with their text ids offset, so that a split by text
+    (:func:`~proxykv_hf.train.split_dataset`) still keeps every crop of a text on one side.
+
+    Returns:
+        The merged manifest (also written to ``out_dir``).
+
+    Raises:
+        ValueError: fewer than two sources, mismatched sources, a text in two sources, or a non-empty ``out_dir``.
+    """
+    from safetensors.torch import load_file
+
+    if len(sources) < 2:
+        raise ValueError(f"merge needs at least two datasets, got {len(sources)}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty; merge into a new directory")
+    manifests = [Manifest.load(s) for s in sources]
+    first = manifests[0]
+    for src, m in zip(sources[1:], manifests[1:]):
+        problem = _mismatch(first, m)
+        if problem:
+            raise ValueError(f"{src} cannot merge with {sources[0]}: it was built with {problem}")
+    seen: dict[str, str] = {}
+    for src, m in zip(sources, manifests):
+        for key in m.done:
+            if key in seen:
+                raise ValueError(f"text {key} is in both {seen[key]} and {src}; merging would count it twice")
+            seen[key] = str(src)
+    out.mkdir(parents=True, exist_ok=True)
+    merged = dataclasses.replace(first, texts=0, tokens=0, crops=0, skipped_short=0, truncated=0,
+                                 sources={}, shards=[], done=[], disk_bytes=0,
+                                 created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    if any(m.oracle != first.oracle for m in manifests):
+        merged.oracle = "mixed: " + ", ".join(sorted({m.oracle for m in manifests}))
+    for src, m in zip(sources, manifests):
+        for shard in m.shards:
+            tensors = load_file(str(Path(src) / shard["file"]))
+            tensors["text"] = tensors["text"] + merged.texts
+            name = f"shard-{len(merged.shards):05d}.safetensors"
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            size = (out / name).stat().st_size
+            merged.shards.append({**shard, "file": name, "bytes": size})
+            merged.disk_bytes += size
+        merged.texts += m.texts
+        merged.tokens += m.tokens
+        merged.crops += m.crops
+        merged.skipped_short += m.skipped_short
+        merged.truncated += m.truncated
+        merged.done += m.done
+        for name, n in m.sources.items():
+            merged.sources[name] = merged.sources.get(name, 0) + n
+    merged.save(out)
+    logger.info("merged %d datasets into %s: %d texts, %d crops, %.1f MB", len(sources), out, merged.texts,
+                merged.crops, merged.disk_bytes / 2**20)
+    return merged
