@@ -122,21 +122,32 @@ def attention_sums(
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
     peak = torch.zeros_like(out) if "max" in statistics else None
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
+    plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
     for q0 in range(0, Q, chunk_size):
         q1 = min(q0 + chunk_size, Q)
         t_end = min(T, q1 + T - Q) if causal else T
-        q = query[:, :, q0:q1].float().view(B, H_kv, G, q1 - q0, D)  # (B, H_kv, G, C, D)
-        logits = torch.einsum("bhgcd,bhtd->bhgct", q, k[:, :, :t_end]).mul_(scaling)  # (B, H_kv, G, C, t_end)
-        bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
-        logits.add_(bias[:, :, None])  # broadcast over (H_kv, G)
-        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows -> 0
+        d0 = q0 + T - Q  # key position of the chunk's first query
+        q = query[:, :, q0:q1].float().mul(scaling).view(B, H_kv, G, q1 - q0, D)  # (B, H_kv, G, C, D)
+        logits = torch.einsum("bhgcd,bhtd->bhgct", q, k[:, :, :t_end])  # (B, H_kv, G, C, t_end)
+        if plain:
+            future = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
+            logits[..., d0:t_end].masked_fill_(future, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)  # every row sees at least its own key
+        else:
+            bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
+            logits.add_(bias[:, :, None])  # broadcast over (H_kv, G)
+            probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows -> 0
         if query_valid is not None:
             probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
         out[..., :t_end] += probs.sum(dim=3)
         if peak is not None:
-            own = torch.arange(t_end, device=query.device)[None, :] == (
-                torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end): the query's own key
-            peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.masked_fill_(own, 0.0).amax(dim=3))
+            if T >= Q:  # the query's own key is on the diagonal of the block at d0
+                probs[..., d0:d0 + q1 - q0].diagonal(dim1=-2, dim2=-1).zero_()
+            else:
+                own = torch.arange(t_end, device=query.device)[None, :] == (
+                    torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
+                probs.masked_fill_(own, 0.0)
+            peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.amax(dim=3))
     found = {"sum": out, "max": peak}
     return torch.cat([_reduce(found[s], group_reduce) for s in statistics], dim=1)
 

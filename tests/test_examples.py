@@ -65,3 +65,13 @@ def test_val_unseen_texts_keeps_only_texts_no_run_trained_on():
     assert len(keep) < len(val.indices), "with this seed some validation texts were earlier training texts"
     with pytest.raises(SystemExit, match="earlier-crops"):
         mod.unseen_val_indices(text_ids, 0, 0.2, 0)
+
+
+def test_bench_mapper_cpu_restores_the_sdpa_path(capsys):
+    from proxykv_hf.mapper import TimeEncoder
+
+    before = TimeEncoder.encode_sdpa
+    example("bench_mapper_cpu").main(["--lengths", "96"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 96 |")]
+    assert len(rows) == 1 and float(rows[0].split("|")[-2]) < 1e-4  # both paths give the same logits
+    assert TimeEncoder.encode_sdpa is before

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, mask_padding, window_starts
+from proxykv_hf.mapper import (HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, sinusoidal_encoding,
+                               window_starts)
 
 LLAMA_1B_TO_8B = dict(num_proxy_layers=16, num_proxy_heads=32, num_target_layers=32, num_target_heads=8)
 
@@ -162,6 +163,28 @@ def test_right_padding_does_not_change_real_tokens():
     assert torch.isneginf(masked[..., 20:]).all() and torch.equal(masked[..., :20], out[..., :20])
     fully_padded = m(padded, torch.zeros(1, 26))
     assert torch.isfinite(fully_padded).all()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_cpu_eval_encoder_path_equals_the_module(padded):
+    """Eval mode on the CPU runs the encoder through scaled_dot_product_attention on the module's own weights."""
+    torch.manual_seed(0)
+    enc = TimeEncoder(MapperConfig.tiny(d_time=32, num_encoder_heads=4, num_encoder_layers=2, dropout=0.1)).eval()
+    z = torch.randn(3, 40, 32)
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    if padded:
+        valid[1, 25:] = False
+    got = enc(z, valid if padded else None)
+    pad = ~valid if padded else None
+    positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+    ref = enc.encoder(z + sinusoidal_encoding(positions, 32), src_key_padding_mask=pad)
+    torch.testing.assert_close(got[valid], ref[valid], atol=1e-5, rtol=1e-5)
+    enc.train()  # training keeps the module's path (dropout, autograd through nn.MultiheadAttention)
+    torch.manual_seed(1)
+    a = enc(z, None)
+    torch.manual_seed(1)
+    b = enc.encoder(z + sinusoidal_encoding(torch.arange(40).expand(3, -1), 32))
+    torch.testing.assert_close(a, b)
 
 
 def test_ablation_switches():

@@ -87,6 +87,21 @@ def test_mask_none_is_causal_and_group_reductions():
     assert torch.allclose(got.sum(-1), torch.full((1, 6), 9.0))
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("Q", [13, 5])
+def test_mask_none_sums_and_maxima_equal_explicit(chunk, Q):
+    """No mask (causal, queries at the last Q positions): the path that masks only each chunk's diagonal block."""
+    torch.manual_seed(4)
+    B, H, H_kv, T, D = 2, 6, 2, 13, 8
+    query, key = torch.randn(B, H, Q, D) * 2, torch.randn(B, H_kv, T, D) * 2
+    valid = torch.ones(B, T, dtype=torch.bool)
+    p = explicit_probs(query, key, valid, 0.4)  # (B, H, Q, T)
+    qpos = torch.arange(Q) + (T - Q)
+    peak = p.masked_fill(torch.arange(T)[None, :] == qpos[:, None], 0.0).amax(2)
+    got = attention_sums(query, key, None, 0.4, chunk_size=chunk, statistics=("sum", "max"), backend="torch")
+    torch.testing.assert_close(got, torch.cat([p.sum(2), peak], 1), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments():
     q, k = torch.randn(1, 3, 4, 2), torch.randn(1, 2, 4, 2)
     with pytest.raises(ValueError, match="multiple"):
