@@ -47,20 +47,23 @@ def test_chunked_equals_explicit_with_padding(chunk, Q):
 
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 @pytest.mark.parametrize("Q", [15, 6])
-def test_max_statistic_equals_explicit(chunk, Q):
-    """"max": the largest probability a key gets from a query other than its own position, beside the sum."""
+@pytest.mark.parametrize("masked", [True, False])
+def test_max_statistic_equals_explicit(chunk, Q, masked):
+    """"max": the largest probability a key gets from a query other than its own position, beside the sum; with a
+    padding mask, and without one (causal: the path that masks only each chunk's diagonal block)."""
     torch.manual_seed(3)
     B, H, H_kv, T, D = 2, 4, 2, 15, 8
     query, key = torch.randn(B, H, Q, D) * 2, torch.randn(B, H_kv, T, D) * 2
     valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, :4] = False
+    if masked:
+        valid[1, :4] = False
     qpos = torch.arange(Q) + (T - Q)
-    mask = (torch.arange(T)[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :]
+    mask = (torch.arange(T)[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :] if masked else None
     p = explicit_probs(query, key, valid, 0.3)  # (B, H, Q, T)
     own = torch.arange(T)[None, :] == qpos[:, None]  # (Q, T)
     peak = p.masked_fill(own, 0.0).amax(2)  # (B, H, T)
-    got = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
-                         statistics=("sum", "max"))
+    got = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:] if masked else None,
+                         chunk_size=chunk, statistics=("sum", "max"), backend="torch")
     torch.testing.assert_close(got, torch.cat([p.sum(2), peak], 1), rtol=1e-5, atol=1e-5)
     assert got[:, H:, -1].abs().max() == 0  # the last key is seen by its own query only
     grouped = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
@@ -85,21 +88,6 @@ def test_mask_none_is_causal_and_group_reductions():
                                ref.view(1, 2, 3, 9).amax(2), rtol=1e-5, atol=1e-5)
     # every real query distributes a total mass of one
     assert torch.allclose(got.sum(-1), torch.full((1, 6), 9.0))
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 64])
-@pytest.mark.parametrize("Q", [13, 5])
-def test_mask_none_sums_and_maxima_equal_explicit(chunk, Q):
-    """No mask (causal, queries at the last Q positions): the path that masks only each chunk's diagonal block."""
-    torch.manual_seed(4)
-    B, H, H_kv, T, D = 2, 6, 2, 13, 8
-    query, key = torch.randn(B, H, Q, D) * 2, torch.randn(B, H_kv, T, D) * 2
-    valid = torch.ones(B, T, dtype=torch.bool)
-    p = explicit_probs(query, key, valid, 0.4)  # (B, H, Q, T)
-    qpos = torch.arange(Q) + (T - Q)
-    peak = p.masked_fill(torch.arange(T)[None, :] == qpos[:, None], 0.0).amax(2)
-    got = attention_sums(query, key, None, 0.4, chunk_size=chunk, statistics=("sum", "max"), backend="torch")
-    torch.testing.assert_close(got, torch.cat([p.sum(2), peak], 1), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments():
