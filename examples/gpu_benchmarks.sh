@@ -56,6 +56,7 @@ case $phase in
       > "$out/wide.log" 2>&1 &
     wait ;;
   eval-mapper)  # ProxyKV alone with mapper $3 on run 3's 72 samples (~2k) and run 4's 12 (~4k): one process per task
+                # and length; run one mapper at a time (these 24 processes fit an 80 GB H100, 48 ran out of memory)
     M=$3
     for t in niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multikey_2 niah_multikey_3 \
              niah_multivalue niah_multiquery vt cwe fwe qa; do
