@@ -86,6 +86,12 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
           "--crop-len", "64", "--stride", "32", "--out", str(data)])
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["data_config"]["dtype"] == "float16"  # the storage dtype, not the model's --dtype
+    main(["build-data", "--tiny", "--tasks", "niah_single_1", "--n-per-task", "2", "--tokens", "250",
+          "--crop-len", "64", "--stride", "32", "--seed", "7", "--out", str(tmp_path / "data2")])
+    main(["merge-data", str(data), str(tmp_path / "data2"), "--out", str(tmp_path / "merged")])
+    other = json.loads((tmp_path / "data2" / "manifest.json").read_text())
+    merged = json.loads((tmp_path / "merged" / "manifest.json").read_text())
+    assert (merged["texts"], merged["crops"]) == (4, manifest["crops"] + other["crops"])
     main(["train", "--data", str(data), "--out", str(mapper), "--preset", "tiny", "--epochs", "1",
           "--warmup-steps", "2", "--batch-size", "4", "--no-progress", "--layers-per-step", "2",
           "--mapper-config", "d_time=16", "num_encoder_heads=2", "conv_stem=false"])
