@@ -45,7 +45,7 @@ case $phase in
       > "$out/data-4k.log" 2>&1 &
     wait
     python3 -m proxykv_hf.cli merge-data "$out/data-2k" "$out/data-4k" --out "$out/data" ;;
-  train)  # two mappers side by side on the merged data: the shipped one fine-tuned (A), a wider one from scratch (B)
+  train)  # two mappers side by side on the merged data: the shipped one fine-tuned (ft), a wider one (wide)
     C="--data $out/data --preset small --batch-size 4 --layers-per-step 6 --no-progress --val-fraction 0.1
        --direct-path-lr-mult 50 --log-every 20 --epochs ${EPOCHS:-12}"
     W="crop_len=512 stride=256 direct_path=true input_transform=log1p,log"
