@@ -217,6 +217,7 @@ class ProxyKVCache(DynamicCache):
         token=None,
         local_files_only: bool | None = None,
         chunk_size: int = 256,
+        pool_kernel: int | None = None,
         **kwargs,
     ) -> "ProxyKVCache":
         """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
@@ -229,6 +230,7 @@ class ProxyKVCache(DynamicCache):
             proxy_device: device for the proxy and the mapper (e.g. ``"cuda:1"``); default: the target's.
             revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
             chunk_size: queries per chunk when accumulating the proxy's attention.
+            pool_kernel: tokens the scores are average-pooled over before the Top-K; None: the checkpoint's.
             **kwargs: ``n_sink``, ``n_recent``, ``config``, as for the constructor.
 
         Returns:
@@ -249,7 +251,8 @@ class ProxyKVCache(DynamicCache):
             if (layers, got) != (ckpt.proxy.num_layers, ckpt.proxy.num_heads):
                 raise ValueError(f"proxy has {layers} layers and {got} heads, the mapper expects "
                                  f"{ckpt.proxy.num_layers} layers and {ckpt.proxy.num_heads} heads")
-        scorer = ProxyScorer(ckpt, proxy_model=proxy, proxy_device=proxy_device, chunk_size=chunk_size)
+        scorer = ProxyScorer(ckpt, proxy_model=proxy, proxy_device=proxy_device, chunk_size=chunk_size,
+                             pool_kernel=pool_kernel)
         return cls(scorer, keep_ratio, **kwargs)
 
     def fresh(self) -> "ProxyKVCache":

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .mapper import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec
+from .selection import check_kernel_size
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,23 @@ class TargetSpec:
 
 @dataclass(kw_only=True)
 class Checkpoint:
-    """Everything needed to use a trained mapper."""
+    """Everything needed to use a trained mapper.
+
+    Attributes:
+        pool_kernel: the mapper's scores are average-pooled along the tokens over this many (odd; 1 = no pooling)
+            before the Top-K (:func:`~proxykv_hf.selection.smooth_scores`). A scoring setting, not a weight: chosen
+            after training and stored with the mapper so that every user of the checkpoint selects the same way.
+    """
 
     mapper: HybridAxialMapper
     proxy: ProxySpec
     target: TargetSpec
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    pool_kernel: int = 1
 
     def __post_init__(self) -> None:
+        check_kernel_size(self.pool_kernel, "pool_kernel")
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
         want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
@@ -102,6 +111,7 @@ def _card(ckpt: Checkpoint) -> str:
         f"| proxy | {ckpt.proxy.kind}: `{ckpt.proxy.model_id or ckpt.proxy.layers or 'target attention'}` |",
         f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,} |",
+        f"| score pooling | {ckpt.pool_kernel} tokens |",
     ]
     for key, value in sorted(ckpt.training.items()):
         lines.append(f"| training {key} | {value} |")
@@ -120,6 +130,7 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
         "proxy": ckpt.proxy.to_dict(),
         "target": ckpt.target.to_dict(),
         "pairing": ckpt.mapper.pairing(),
+        "pool_kernel": ckpt.pool_kernel,
         "training": ckpt.training,
         "metrics": ckpt.metrics,
     }
@@ -169,7 +180,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     mapper.to(map_location).eval()
     return Checkpoint(mapper=mapper, proxy=ProxySpec.from_dict(config["proxy"]),
                       target=TargetSpec(**config["target"]), training=config.get("training", {}),
-                      metrics=config.get("metrics", {}))
+                      metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1))
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

@@ -19,6 +19,7 @@ import math
 from numbers import Real
 
 import torch
+import torch.nn.functional as F
 
 
 def check_keep_ratio(keep_ratio: object) -> float:
@@ -51,6 +52,32 @@ def keep_counts(n_real: torch.Tensor, keep_ratio: float, n_protected: int = 0) -
     k = torch.ceil(n_real.double() * keep_ratio - 1e-9).to(torch.int64)
     k = torch.maximum(k, torch.clamp(n_real, max=n_protected))
     return torch.minimum(k, n_real)
+
+
+def check_kernel_size(kernel_size: object, name: str = "kernel_size") -> int:
+    """``kernel_size`` as an int, or a ``ValueError`` if it is not a positive odd int."""
+    if not isinstance(kernel_size, int) or isinstance(kernel_size, bool) or kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"{name} must be a positive odd int, got {kernel_size!r}")
+    return kernel_size
+
+
+def smooth_scores(scores: torch.Tensor, valid: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Average-pool `(B, H, T)` scores along the tokens over the real tokens of each window (a padded row pools
+    exactly as it would alone; what padding positions get does not matter, the selection never keeps them).
+    ``kernel_size`` 1 returns ``scores`` as is.
+
+    Pooling keeps a token's neighbours with it: a fact spelled over several tokens (a number split into digits)
+    tends to survive the Top-K whole instead of losing single tokens to noise in the scores.
+    """
+    check_kernel_size(kernel_size)
+    if kernel_size == 1:
+        return scores
+    valid = valid.to(scores.device)
+    weight = valid.to(scores.dtype)[:, None, :]  # (B, 1, T)
+    B, H, T = scores.shape
+    pool = dict(kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
+    summed = F.avg_pool1d(scores.masked_fill(~valid[:, None, :], 0).reshape(B * H, 1, T), **pool).view(B, H, T)
+    return summed / F.avg_pool1d(weight, **pool).clamp_min(1e-6)
 
 
 def protected_mask(valid: torch.Tensor, n_sink: int, n_recent: int) -> torch.Tensor:

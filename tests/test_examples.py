@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -50,6 +51,20 @@ def test_accuracy_on_common_samples(tmp_path, capsys):
         mod.main([f"x={write(tmp_path / 'c.jsonl', 'snapkv', {})}"])
     with pytest.raises(SystemExit, match="not one of the labels"):
         mod.main([f"new={a}", "--oracle", "kvzip"])
+
+
+def test_needle_kept_counts_rows_whose_topk_holds_the_whole_needle():
+    needle_kept = example("needle_rank").needle_kept
+    scores = torch.zeros(2, 2, 20)
+    scores[0, 0, [10, 11]] = 1.0  # whole needle on top
+    scores[0, 1, [10]] = 1.0  # one token of two
+    scores[1, 0, [9, 10, 11]] = 1.0  # three tokens tie on top: the earliest two (9, 10) win with a budget of 2
+    scores[1, 1, [11]] = 1.0
+    scores[1, 1, [10]] = 0.5
+    # keep 0.3 of 20 = 6 tokens: 4 sinks + the best 2 others
+    assert needle_kept(scores, [10, 11], 0.3) == pytest.approx(2 / 4)  # rows (0, 0) and (1, 1)
+    assert needle_kept(scores, [10, 11], 0.3, n_sink=0) == pytest.approx(3 / 4)  # 6 free slots: row (1, 0) too
+    assert needle_kept(scores, [10, 11], 0.05, n_sink=0) == 0.0  # one token kept
 
 
 def test_val_unseen_texts_keeps_only_texts_no_run_trained_on():

@@ -73,6 +73,34 @@ def test_one_liner_generate(tmp_path, target, proxy, kind):
     assert torch.equal(out, target.generate(**inputs, past_key_values=cache.fresh(), **kw))
 
 
+def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, target):
+    """A checkpoint's pool_kernel smooths the mapper's scores before the Top-K; from_pretrained can override it."""
+    _, ckpt = make_checkpoint(tmp_path, "layers")
+    ckpt.pool_kernel = 5
+    path = save_checkpoint(ckpt, tmp_path / "pooled")
+    assert load_checkpoint(path).pool_kernel == 5
+    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
+    valid = inputs["attention_mask"].bool()
+    x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers)
+    scores = ckpt.mapper(x, attention_mask=inputs["attention_mask"])
+    from proxykv_hf.selection import select_topk, smooth_scores
+
+    kept = {}
+    for kernel in (None, 1):
+        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, pool_kernel=kernel)
+        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        kept[kernel] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
+        for layer in range(TARGET_LAYERS):
+            want = smooth_scores(scores[:, layer], valid, kernel or 5)
+            idx, _ = select_topk(want, 0.3, valid, n_sink=4)
+            assert torch.equal(idx, kept[kernel][layer]), (kernel, layer)
+    assert any(not torch.equal(a, b) for a, b in zip(kept[None], kept[1]))  # pooling changed what is kept
+    with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
+        ProxyKVCache.from_pretrained(path, pool_kernel=4)
+    with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
+        Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, pool_kernel=0)
+
+
 def test_checkpoint_round_trip(tmp_path):
     path, ckpt = make_checkpoint(tmp_path, "layers")
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "model.safetensors", "proxykv_config.json"]
@@ -80,6 +108,11 @@ def test_checkpoint_round_trip(tmp_path):
     for (k, a), (_, b) in zip(ckpt.mapper.state_dict().items(), loaded.mapper.state_dict().items()):
         assert torch.equal(a, b), k
     assert loaded.proxy == ckpt.proxy and loaded.target == ckpt.target
+    assert loaded.pool_kernel == 1  # the default, also for configs written before pool_kernel existed
+    config = (path / "proxykv_config.json").read_text().replace('"pool_kernel": 1,', "")
+    assert "pool_kernel" not in config
+    (path / "proxykv_config.json").write_text(config)
+    assert load_checkpoint(path).pool_kernel == 1
     assert "tiny-llama" in (path / "README.md").read_text()
 
 

@@ -2,11 +2,12 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.selection import keep_counts, select_topk
+from proxykv_hf.selection import keep_counts, select_topk, smooth_scores
 
 
 @st.composite
@@ -76,3 +77,32 @@ def test_scores_with_nan_rank_lowest():
     scores = torch.tensor([[[float("nan"), 1.0, 0.5, 2.0]]])
     idx, _ = select_topk(scores, 0.5)
     assert idx.tolist() == [[[1, 3]]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.sampled_from([1, 3, 5]))
+def test_smooth_scores_is_the_mean_over_real_neighbours(problem, kernel):
+    scores, valid, *_ = problem
+    scores = scores + torch.rand(scores.shape)  # break ties
+    scores[~valid[:, None, :].expand_as(scores)] = float("-inf")  # padding may hold anything
+    out = smooth_scores(scores, valid, kernel)
+    B, H, T = scores.shape
+    for b in range(B):
+        for t in range(T):
+            if not valid[b, t]:
+                continue
+            near = [u for u in range(t - kernel // 2, t + kernel // 2 + 1) if 0 <= u < T and valid[b, u]]
+            want = scores[b, :, near].mean(-1)
+            assert torch.allclose(out[b, :, t], want, atol=1e-5), (b, t)
+
+
+def test_smooth_scores_pads_like_alone_and_checks_kernel():
+    scores = torch.rand(1, 2, 9)
+    padded = torch.cat([torch.full((1, 2, 3), 7.0), scores], dim=-1)
+    valid = torch.tensor([[False] * 3 + [True] * 9])
+    alone = smooth_scores(scores, torch.ones(1, 9, dtype=torch.bool), 5)
+    assert torch.allclose(smooth_scores(padded, valid, 5)[..., 3:], alone)
+    assert smooth_scores(scores, torch.ones(1, 9, dtype=torch.bool), 1) is scores
+    for bad in (0, 2, -1, 3.0, True):
+        with pytest.raises(ValueError, match="positive odd int"):
+            smooth_scores(scores, torch.ones(1, 9, dtype=torch.bool), bad)

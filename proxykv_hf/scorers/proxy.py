@@ -10,6 +10,7 @@ import torch
 
 from ..proxy import decoder_of, proxy_features
 from ..scoring import attention_sums
+from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, Prompt, Scorer
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,12 @@ class ProxyScorer(Scorer):
             busy, overlapping saved no time and raised the peak prefill memory of an 8B/1B pair at 32k from 0.64x to
             1.19x the full cache's (docs/performance.md); with ``False`` the first compacted layer's stream waits on
             the proxy's event and every layer is compacted as soon as its attention has run.
+        pool_kernel: average-pool the scores along the tokens over this many before the Top-K (odd); None: the
+            checkpoint's ``pool_kernel``.
     """
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = 256, n_sink: int = 4,
-                 mapper_autocast: bool = True, overlap: bool | None = None):
+                 mapper_autocast: bool = True, overlap: bool | None = None, pool_kernel: int | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -55,6 +58,8 @@ class ProxyScorer(Scorer):
         self.query_free = self.spec.kind != "self"
         self.mapper_autocast = mapper_autocast
         self.overlap = overlap
+        self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
+                                                                                                "pool_kernel")
         self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
@@ -152,6 +157,9 @@ class ProxyScorer(Scorer):
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
+        return smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel)
+
+    def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
         if self.spec.kind == "self":
             x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,

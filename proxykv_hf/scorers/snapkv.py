@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..scoring import attention_sums
+from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, Scorer
 
 
@@ -22,9 +22,7 @@ class SnapKVScorer(Scorer):
     def __init__(self, window: int = 64, kernel_size: int = 5, chunk_size: int = 256):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        if kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size}")
-        self.window, self.kernel_size, self.chunk_size = window, kernel_size, chunk_size
+        self.window, self.kernel_size, self.chunk_size = window, check_kernel_size(kernel_size), chunk_size
         self.n_recent = window
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
@@ -35,10 +33,7 @@ class SnapKVScorer(Scorer):
         query_valid = inputs.valid[:, T - w:].to(q.device)
         sums = attention_sums(q, inputs.keys, mask, inputs.scaling, query_valid=query_valid,
                               chunk_size=self.chunk_size, group_reduce="none")  # (B, H, T)
-        # Average over the real tokens of each window only, so a padded row pools exactly as it would alone.
-        valid = inputs.valid.to(sums.device, sums.dtype)[:, None, :]  # (B, 1, T)
-        pool = dict(kernel_size=self.kernel_size, stride=1, padding=self.kernel_size // 2)
-        pooled = F.avg_pool1d(sums * valid, **pool) / F.avg_pool1d(valid, **pool).clamp_min(1e-6)  # (B, H, T)
+        pooled = smooth_scores(sums, inputs.valid, self.kernel_size)  # (B, H, T)
         B, H, _ = pooled.shape
         H_kv = inputs.keys.shape[1]
         return pooled.view(B, H_kv, H // H_kv, T).mean(dim=2)  # (B, H_kv, T)
