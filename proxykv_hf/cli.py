@@ -114,6 +114,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mapper", default=None, help="ProxyKV mapper checkpoint (default: the bundled one)")
 
 
+def _pool_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pool-kernel", type=int, default=None,
+                   help="ProxyKV: average-pool the mapper's scores over this many tokens before the Top-K (odd; "
+                        "default: the checkpoint's pool_kernel)")
+
+
 # ------------------------------------------------------------------------------------------------ commands
 def cmd_generate(ns) -> int:
     from .eval.methods import MethodOptions, build_method
@@ -121,7 +127,7 @@ def cmd_generate(ns) -> int:
 
     model, tok = load(ns)
     with tempfile.TemporaryDirectory() as tmp:
-        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp))
+        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), pool_kernel=ns.pool_kernel)
         scorer = build_method(ns.method, model, options)
         pipe = ProxyKVPipeline(model, tok, None if scorer is None else scorer.inner,
                                keep_ratio=1.0 if scorer is None else ns.keep_ratio)
@@ -146,7 +152,7 @@ def cmd_eval(ns) -> int:
     cfg = from_args(EvalConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
         options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), seed=ns.seed,
-                                kvzip_chunk=ns.kvzip_chunk)
+                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel)
         out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
@@ -249,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long needle prompt with each method")
     _common(p)
+    _pool_arg(p)
     p.add_argument("--context-tokens", type=int, default=4096)
     p.add_argument("--keep-ratio", type=float, default=0.3)
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"])
@@ -258,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")
     _common(p)
+    _pool_arg(p)
     p.add_argument("--method", default="proxykv", choices=METHODS)
     p.add_argument("--keep-ratio", type=float, default=0.3)
     p.add_argument("--prompt")
@@ -268,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
+    _pool_arg(p)
     add_dataclass_args(p, EvalConfig)
     p.add_argument("--kvzip-chunk", type=int, default=2048)
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
@@ -307,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
     _common(p)
+    _pool_arg(p)
     add_dataclass_args(p, BenchConfig)
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
     p.add_argument("--proxy-device", default=None, help="device of the proxy and mapper (e.g. cuda:1); default: "

@@ -32,6 +32,16 @@ def test_eval_tiny(tmp_path, capsys):
     assert "ProxyKV / KVzip" in capsys.readouterr().out
 
 
+def test_demo_tiny(capsys):
+    """The README's main command, on a tiny random model: one table row per method, with the cache sizes."""
+    main(["demo", "--tiny", "--context-tokens", "300", "--pool-kernel", "3"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-4:]}
+    assert sorted(rows) == ["full", "kvzip", "proxykv", "snapkv"]
+    assert rows["full"][1] == "1.00" and rows["proxykv"][1] == "0.30"
+    assert float(rows["proxykv"][-1]) < float(rows["full"][-1])  # KV MiB kept
+
+
 def test_generate_tiny(capsys):
     main(["generate", "--tiny", "--method", "snapkv", "--keep-ratio", "0.5", "--prompt", "hello " * 30,
           "--max-new-tokens", "3"])
@@ -154,6 +164,11 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     snap = [r for r in records if r["method"] == "snapkv"]
     assert len(snap) == 1 and 0 <= snap[0]["topk_recall"] <= 1 and 0 < snap[0]["mass_recovery"] <= 1
+    # ProxyKV with its scores pooled: the run's config records the setting
+    main(common + ["--methods", "proxykv", "--pool-kernel", "3"])
+    assert json.loads((out / "config.json").read_text())["options"]["pool_kernel"] == 3
+    with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
+        main(common + ["--methods", "proxykv", "--pool-kernel", "2"])
 
 
 def test_eval_report_splits_held_out_families(tmp_path):

@@ -182,8 +182,10 @@ class Harness:
 
     def run(self) -> Path:
         cfg = self.config
-        (self.out / "config.json").write_text(json.dumps({"config": asdict(cfg), "env": environment(self.model)},
-                                                         indent=2))
+        options = {"mapper": self.options.mapper, "pool_kernel": self.options.pool_kernel,
+                   "kvzip_chunk": self.options.kvzip_chunk, "seed": self.options.seed}
+        (self.out / "config.json").write_text(json.dumps({"config": asdict(cfg), "options": options,
+                                                          "env": environment(self.model)}, indent=2, default=str))
         done = self._done()
         units = [(t, n) for t in cfg.tasks for n in cfg.context_lengths]
         total = len(units) * cfg.n_samples * len(cfg.methods)

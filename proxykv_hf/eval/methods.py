@@ -79,6 +79,7 @@ class MethodOptions:
         iam_layers: the target layers of the layer-subset proxy for KVzip+IAM.
         seed: for the random method.
         kvzip_chunk: KVzip's reconstruction chunk size.
+        pool_kernel: ProxyKV's score pooling (see ``ProxyKVCache.from_pretrained``); None: the checkpoint's.
     """
 
     tokenizer: object = None
@@ -88,6 +89,7 @@ class MethodOptions:
     iam_layers: list[int] | None = None
     seed: int = 0
     kvzip_chunk: int = 2048
+    pool_kernel: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -110,7 +112,8 @@ def build_method(name: str, model, options: MethodOptions) -> RecordingScorer | 
             raise ValueError("method 'proxykv' needs a mapper checkpoint (--mapper)")
         from ..cache import ProxyKVCache
 
-        inner = ProxyKVCache.from_pretrained(options.mapper, proxy=options.proxy).scorer
+        inner = ProxyKVCache.from_pretrained(options.mapper, proxy=options.proxy,
+                                             pool_kernel=options.pool_kernel).scorer
     elif name == "kvzip_iam":
         from ..scorers.iam import KVzipIAMScorer
 
