@@ -8,8 +8,8 @@ all context tokens, 0 = top, 0.5 = chance; "best layer" / "median layer" over th
 over the 3 KV heads, raw features: best head of each layer), but the self-proxy features of the samples are computed
 once and cached (``--cache``), so comparing mapper variants costs seconds. No KVzip pass.
 
-``--pool-kernels`` also scores each mapper with its scores average-pooled along the tokens (the checkpoint setting
-``pool_kernel``, :func:`proxykv_hf.selection.smooth_scores`), and ``--keep-ratios`` adds how often the *whole* needle
+``--pool-kernels`` also scores each mapper with its scores lifted to their neighbourhood's mean (the checkpoint
+setting ``pool_kernel``, :func:`proxykv_hf.selection.smooth_scores` with ``keep_peaks``, as the cache does), and ``--keep-ratios`` adds how often the *whole* needle
 (every token of the answer) survives the Top-K that the cache would make (4 sink tokens kept), over layers and KV
 heads: a number split into digit tokens is lost if any digit is. The cache holds the
 attention sums and maxima (``statistics=("sum", "max")``); a mapper reads the rows it was trained on. A cache
@@ -108,7 +108,8 @@ def main(argv=None) -> None:
         with torch.no_grad():
             raw = [mapper(it["x"][None, :, :rows].float())[0].float() for it in items]  # (L, H, N) each
         for kernel in ns.pool_kernels:
-            scores = [smooth_scores(s, torch.ones(1, s.shape[-1], dtype=torch.bool), kernel) for s in raw]
+            scores = [smooth_scores(s, torch.ones(1, s.shape[-1], dtype=torch.bool), kernel, keep_peaks=True)
+                      for s in raw]
             lookup = {id(it): s for it, s in zip(items, scores)}
             b, m = needle_rank(lambda it, lookup=lookup: lookup[id(it)], items)
             kept = "".join(f" {statistics.mean(needle_kept(s, it['pos'], r) for it, s in zip(items, scores)):>9.3f}"

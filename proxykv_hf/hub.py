@@ -60,8 +60,9 @@ class Checkpoint:
     """Everything needed to use a trained mapper.
 
     Attributes:
-        pool_kernel: the mapper's scores are average-pooled along the tokens over this many (odd; 1 = no pooling)
-            before the Top-K (:func:`~proxykv_hf.selection.smooth_scores`). A scoring setting, not a weight: chosen
+        pool_kernel: before the Top-K, each of the mapper's scores is lifted to the mean of the ``pool_kernel``
+            tokens around it where that is higher (odd; 1 = off, the paper's selection;
+            :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``). A scoring setting, not a weight: chosen
             after training and stored with the mapper so that every user of the checkpoint selects the same way.
     """
 

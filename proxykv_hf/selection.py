@@ -61,13 +61,16 @@ def check_kernel_size(kernel_size: object, name: str = "kernel_size") -> int:
     return kernel_size
 
 
-def smooth_scores(scores: torch.Tensor, valid: torch.Tensor, kernel_size: int) -> torch.Tensor:
+def smooth_scores(scores: torch.Tensor, valid: torch.Tensor, kernel_size: int, *,
+                  keep_peaks: bool = False) -> torch.Tensor:
     """Average-pool `(B, H, T)` scores along the tokens over the real tokens of each window (a padded row pools
     exactly as it would alone; what padding positions get does not matter, the selection never keeps them).
     ``kernel_size`` 1 returns ``scores`` as is.
 
     Pooling keeps a token's neighbours with it: a fact spelled over several tokens (a number split into digits)
-    tends to survive the Top-K whole instead of losing single tokens to noise in the scores.
+    tends to survive the Top-K whole instead of losing single tokens to noise in the scores. With ``keep_peaks``
+    a token gets the larger of its own score and its window's mean: a span's weak tokens are lifted, but a lone
+    high score is not averaged away.
     """
     check_kernel_size(kernel_size)
     if kernel_size == 1:
@@ -77,7 +80,8 @@ def smooth_scores(scores: torch.Tensor, valid: torch.Tensor, kernel_size: int) -
     B, H, T = scores.shape
     pool = dict(kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
     summed = F.avg_pool1d(scores.masked_fill(~valid[:, None, :], 0).reshape(B * H, 1, T), **pool).view(B, H, T)
-    return summed / F.avg_pool1d(weight, **pool).clamp_min(1e-6)
+    pooled = summed / F.avg_pool1d(weight, **pool).clamp_min(1e-6)
+    return torch.maximum(scores, pooled) if keep_peaks else pooled
 
 
 def protected_mask(valid: torch.Tensor, n_sink: int, n_recent: int) -> torch.Tensor:

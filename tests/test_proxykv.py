@@ -74,11 +74,12 @@ def test_one_liner_generate(tmp_path, target, proxy, kind):
 
 
 def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, target):
-    """A checkpoint's pool_kernel smooths the mapper's scores before the Top-K; from_pretrained can override it."""
+    """A checkpoint's pool_kernel lifts the mapper's scores to their neighbourhood's mean before the Top-K;
+    from_pretrained can override it."""
     _, ckpt = make_checkpoint(tmp_path, "layers")
-    ckpt.pool_kernel = 5
+    ckpt.pool_kernel = 9
     path = save_checkpoint(ckpt, tmp_path / "pooled")
-    assert load_checkpoint(path).pool_kernel == 5
+    assert load_checkpoint(path).pool_kernel == 9
     inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
     valid = inputs["attention_mask"].bool()
     x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers)
@@ -87,12 +88,12 @@ def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, tar
 
     kept = {}
     for kernel in (None, 1):
-        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, pool_kernel=kernel)
+        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, pool_kernel=kernel)
         target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
         kept[kernel] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
         for layer in range(TARGET_LAYERS):
-            want = smooth_scores(scores[:, layer], valid, kernel or 5)
-            idx, _ = select_topk(want, 0.3, valid, n_sink=4)
+            want = smooth_scores(scores[:, layer], valid, kernel or 9, keep_peaks=True)
+            idx, _ = select_topk(want, 0.5, valid, n_sink=4)
             assert torch.equal(idx, kept[kernel][layer]), (kernel, layer)
     assert any(not torch.equal(a, b) for a, b in zip(kept[None], kept[1]))  # pooling changed what is kept
     with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):

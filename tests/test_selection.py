@@ -80,12 +80,12 @@ def test_scores_with_nan_rank_lowest():
 
 
 @settings(max_examples=100, deadline=None)
-@given(problems(), st.sampled_from([1, 3, 5]))
-def test_smooth_scores_is_the_mean_over_real_neighbours(problem, kernel):
+@given(problems(), st.sampled_from([1, 3, 5]), st.booleans())
+def test_smooth_scores_is_the_mean_over_real_neighbours(problem, kernel, keep_peaks):
     scores, valid, *_ = problem
     scores = scores + torch.rand(scores.shape)  # break ties
     scores[~valid[:, None, :].expand_as(scores)] = float("-inf")  # padding may hold anything
-    out = smooth_scores(scores, valid, kernel)
+    out = smooth_scores(scores, valid, kernel, keep_peaks=keep_peaks)
     B, H, T = scores.shape
     for b in range(B):
         for t in range(T):
@@ -93,6 +93,8 @@ def test_smooth_scores_is_the_mean_over_real_neighbours(problem, kernel):
                 continue
             near = [u for u in range(t - kernel // 2, t + kernel // 2 + 1) if 0 <= u < T and valid[b, u]]
             want = scores[b, :, near].mean(-1)
+            if keep_peaks:
+                want = torch.maximum(want, scores[b, :, t])
             assert torch.allclose(out[b, :, t], want, atol=1e-5), (b, t)
 
 

@@ -40,7 +40,8 @@ class ProxyScorer(Scorer):
             busy, overlapping saved no time and raised the peak prefill memory of an 8B/1B pair at 32k from 0.64x to
             1.19x the full cache's (docs/performance.md); with ``False`` the first compacted layer's stream waits on
             the proxy's event and every layer is compacted as soon as its attention has run.
-        pool_kernel: average-pool the scores along the tokens over this many before the Top-K (odd); None: the
+        pool_kernel: before the Top-K, lift each score to the mean of the ``pool_kernel`` tokens around it where that
+            is higher (odd; 1 = off; :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``); None: the
             checkpoint's ``pool_kernel``.
     """
 
@@ -157,7 +158,7 @@ class ProxyScorer(Scorer):
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        return smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel)
+        return smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel, keep_peaks=True)
 
     def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
