@@ -112,7 +112,7 @@ def _card(ckpt: Checkpoint) -> str:
         f"| proxy | {ckpt.proxy.kind}: `{ckpt.proxy.model_id or ckpt.proxy.layers or 'target attention'}` |",
         f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,} |",
-        f"| score pooling | {ckpt.pool_kernel} tokens |",
+        f"| score pooling (`pool_kernel`) | {ckpt.pool_kernel} (1 = off) |",
     ]
     for key, value in sorted(ckpt.training.items()):
         lines.append(f"| training {key} | {value} |")
