@@ -6,14 +6,14 @@
 Same measure as ``examples/compare_proxies.py`` (percentile of the mean rank of the answer's context tokens among
 all context tokens, 0 = top, 0.5 = chance; "best layer" / "median layer" over the 30 layers, mapper scores averaged
 over the 3 KV heads, raw features: best head of each layer), but the self-proxy features of the samples are computed
-once and cached (``--cache``), so comparing mapper variants costs seconds. No KVzip pass.
-
-``--pool-kernels`` also scores each mapper with its scores lifted to their neighbourhood's mean (the checkpoint
-setting ``pool_kernel``, :func:`proxykv_hf.selection.smooth_scores` with ``keep_peaks``, as the cache does), and ``--keep-ratios`` adds how often the *whole* needle
-(every token of the answer) survives the Top-K that the cache would make (4 sink tokens kept), over layers and KV
-heads: a number split into digit tokens is lost if any digit is. The cache holds the
+once and cached (``--cache``), so comparing mapper variants costs seconds. No KVzip pass. The cache holds the
 attention sums and maxima (``statistics=("sum", "max")``); a mapper reads the rows it was trained on. A cache
 written before it held the maxima serves sum-only mappers.
+
+``--pool-kernels`` also scores each mapper with its scores lifted to their neighbourhood's mean (the checkpoint
+setting ``pool_kernel``: :func:`proxykv_hf.selection.smooth_scores` with ``keep_peaks``, as the cache does), and
+``--keep-ratios`` adds how often the *whole* needle (every token of the answer) survives the Top-K that the cache
+would make (4 sink tokens kept), over layers and KV heads: a number split into digit tokens is lost if any digit is.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
             b, m = needle_rank(lambda it, lookup=lookup: lookup[id(it)], items)
             kept = "".join(f" {statistics.mean(needle_kept(s, it['pos'], r) for it, s in zip(items, scores)):>9.3f}"
                            for r in ns.keep_ratios)
-            label = path if kernel == 1 else f"{path}, pooled over {kernel}"
+            label = f"{path}, unpooled" if kernel == 1 else f"{path}, pooled over {kernel}"
             print(f"{label:<{width}} {b:>10.3f} {m:>12.3f}{kept}")
 
 
