@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import attention
 from .scorers.base import LayerInputs, Prompt, Scorer
+from .scoring import CHUNK_SIZE
 from .selection import check_keep_ratio, keep_counts, select_topk
 
 logger = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class ProxyKVCache(DynamicCache):
         cache_dir=None,
         token=None,
         local_files_only: bool | None = None,
-        chunk_size: int = 256,
+        chunk_size: int = CHUNK_SIZE,
         pool_kernel: int | None = None,
         **kwargs,
     ) -> "ProxyKVCache":

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import attention
-from .scoring import attention_sums, check_statistics
+from .scoring import CHUNK_SIZE, attention_sums, check_statistics
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class FeatureCache(DynamicCache):
     """A cache that stores nothing: it lets each layer attend over its own prompt K/V, records the attention sums,
     and drops the K/V right away (the proxy's memory premium is one layer's K/V plus one chunk of probabilities)."""
 
-    def __init__(self, valid: torch.Tensor | None, chunk_size: int = 256, statistics: tuple[str, ...] = ("sum",)):
+    def __init__(self, valid: torch.Tensor | None, chunk_size: int = CHUNK_SIZE, statistics: tuple[str, ...] = ("sum",)):
         super().__init__()
         self.sums: dict[int, torch.Tensor] = {}
         self.valid, self.chunk_size, self.statistics = valid, chunk_size, tuple(statistics)
@@ -166,7 +166,7 @@ def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
 
 @torch.no_grad()
 def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   *, layers: list[int] | None = None, chunk_size: int = 256,
+                   *, layers: list[int] | None = None, chunk_size: int = CHUNK_SIZE,
                    statistics: tuple[str, ...] | list[str] = ("sum",)) -> torch.Tensor:
     """Run ``model`` (or the subset ``layers`` of it) on the prompt and return the attention sums.
 

@@ -11,6 +11,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from proxykv_hf import ProxyKVCache
 from proxykv_hf.cache import ProxyKVLayer
+from proxykv_hf.scorers import kvzip as kvzip_module
 from proxykv_hf.scorers.kvzip import KVzipScorer, full_attention_layers, kvzip_scores
 from proxykv_hf.selection import select_topk
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
@@ -108,9 +109,12 @@ def test_templates_and_repeat_inputs(tok):
                                             enc(LATER) + ctx[3:6] + enc(TINY_POSTFIX) + ctx[6:7]]
 
 
-@pytest.mark.parametrize("family,chunk_size", [("llama", 16), ("llama", 64), ("qwen3", 16), ("gemma3", 16)])
-def test_scores_equal_naive_reference(tok, family, chunk_size):
-    """gemma3: T = 40 > the sliding window (16), so the repeat forward must see the sliding layers' windows right."""
+@pytest.mark.parametrize("family,chunk_size,block", [("llama", 16, 128), ("llama", 64, 128), ("llama", 64, 5),
+                                                     ("qwen3", 16, 128), ("gemma3", 16, 128), ("gemma3", 16, 4)])
+def test_scores_equal_naive_reference(tok, family, chunk_size, block, monkeypatch):
+    """gemma3: T = 40 > the sliding window (16), so the repeat forward must see the sliding layers' windows right.
+    ``block``: repeat queries per softmax block (small ones split every repeat forward into several blocks)."""
+    monkeypatch.setattr(kvzip_module, "_QUERY_BLOCK", block)
     model = tiny_model(family)
     inputs = random_prompt(1, 40, seed=1)
     layers = full_attention_layers(model)
@@ -150,8 +154,9 @@ def test_chunking_invariants(llama, tok):
     assert float(small.min()) >= 0 and float(small.max()) <= 1
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_left_padded_batch_equals_rows_alone(tok, family):
+@pytest.mark.parametrize("family,block", [("llama", 128), ("gemma3", 128), ("llama", 6)])
+def test_left_padded_batch_equals_rows_alone(tok, family, block, monkeypatch):
+    monkeypatch.setattr(kvzip_module, "_QUERY_BLOCK", block)
     model = tiny_model(family)
     # a non-zero embedding for the pad id (zero at init): padding repeat queries would win some maxima if they voted
     with torch.no_grad():

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 _DUMMY = "dummy context"
-_QUERY_BLOCK = 256  # repeat queries per softmax block: memory O(block * (chunk + repeat)) per layer
+_QUERY_BLOCK = 128  # repeat queries per softmax block: memory O(block * (chunk + repeat)) per layer
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -322,7 +322,9 @@ class _ChunkRecorder:
         chunk_pos = starts[:, None] + torch.arange(L_max, device=device)  # (R, L_max)
         self.index = torch.cat([sink_pos, chunk_pos.clamp_max(T - 1)], dim=1)  # (R, S + L_max)
         chunk_ok = torch.arange(L_max, device=device)[None, :] < lengths[:, None]  # (R, L_max)
-        self.key_ok = torch.cat([torch.ones_like(sink_pos, dtype=torch.bool), chunk_ok, rep_valid], dim=1)
+        ctx_ok = torch.cat([torch.ones_like(sink_pos, dtype=torch.bool), chunk_ok], dim=1)  # (R, S + L_max)
+        # True on context columns past a short chunk (padded batches only); None when every column is real
+        self.ctx_masked = None if bool(ctx_ok.all()) else ~ctx_ok[:, None, None, None, :]
         self.scores: dict[int, torch.Tensor] = {}
 
     def score(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -331,31 +333,34 @@ class _ChunkRecorder:
         Args:
             query: `(R, H, Q, D)` repeat queries (after RoPE).
             key: `(R, H_kv, T + Q, D)` context keys followed by the repeat keys.
+
+        The queries go in blocks of ``_QUERY_BLOCK``; a block's logits stop at its last query's own key (every later
+        repeat key is masked for all of its queries), and the softmax is normalised in place.
         """
         R, H, Q, D = query.shape
         H_kv = key.shape[1]
         G = H // H_kv
         S, L = self.n_sink, self.index.shape[1] - self.n_sink
-        idx = self.index[:, None, :, None].expand(R, H_kv, S + L, D)
+        n_ctx = S + L
+        idx = self.index[:, None, :, None].expand(R, H_kv, n_ctx, D)
         keys = torch.cat([key[:, :, :self.T].gather(2, idx), key[:, :, self.T:]], dim=2).to(self.dtype)  # (R,H_kv,N,D)
         keys_t = keys.transpose(-1, -2)  # (R, H_kv, D, N)
-        n_ctx = S + L
-        rep_pos = torch.arange(Q, device=query.device)
-        key_bias = torch.zeros(self.key_ok.shape, dtype=self.dtype, device=query.device)
-        key_bias.masked_fill_(~self.key_ok, -math.inf)  # (R, N): 0 = visible, -inf = padding / past a short chunk
         best = torch.zeros(R, H_kv, L, dtype=self.dtype, device=query.device)
         for q0 in range(0, Q, _QUERY_BLOCK):
             q1 = min(q0 + _QUERY_BLOCK, Q)
             C = q1 - q0
-            q = query[:, :, q0:q1].to(self.dtype).reshape(R, H_kv, G * C, D)  # query heads h = kv * G + g
-            logits = torch.matmul(q, keys_t).view(R, H_kv, G, C, -1).mul_(scaling)  # (R, H_kv, G, C, N)
-            bias = key_bias[:, None, :].repeat(1, C, 1)  # (R, C, N)
-            bias[:, :, n_ctx:].masked_fill_(rep_pos[None, :] > rep_pos[q0:q1, None], -math.inf)  # causal repeat
-            logits.add_(bias[:, None, None])
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # softmax over [sinks, chunk, repeat]
-            probs = torch.exp(logits[..., S:n_ctx] - lse).amax(dim=2)  # (R, H_kv, C, L) chunk columns, max over G
-            probs.mul_(self.rep_valid[:, None, q0:q1, None])  # padding queries vote nothing
-            best = torch.maximum(best, probs.amax(dim=2))
+            q = (query[:, :, q0:q1].to(self.dtype) * scaling).reshape(R, H_kv, G * C, D)  # heads h = kv * G + g
+            logits = torch.matmul(q, keys_t[..., :n_ctx + q1]).view(R, H_kv, G, C, n_ctx + q1)
+            if self.ctx_masked is not None:
+                logits[..., :n_ctx].masked_fill_(self.ctx_masked, -math.inf)
+            diag = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # query i sees repeat keys <= i
+            logits[..., n_ctx + q0:].masked_fill_(diag, -math.inf)
+            # softmax over [sinks, chunk, repeat]: every query sees its own key, so each row's max is finite
+            logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            inv = logits.sum(dim=-1, keepdim=True).reciprocal_()  # (R, H_kv, G, C, 1)
+            inv.mul_(self.rep_valid[:, None, None, q0:q1, None])  # padding queries vote nothing
+            probs = logits[..., S:n_ctx].mul_(inv)  # chunk columns
+            best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best.float()
 
 

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from ..proxy import decoder_of, proxy_features
-from ..scoring import attention_sums
+from ..scoring import CHUNK_SIZE, attention_sums
 from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, Prompt, Scorer
 
@@ -45,7 +45,7 @@ class ProxyScorer(Scorer):
             checkpoint's ``pool_kernel``.
     """
 
-    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = 256, n_sink: int = 4,
+    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE, n_sink: int = 4,
                  mapper_autocast: bool = True, overlap: bool | None = None, pool_kernel: int | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
