@@ -53,8 +53,9 @@ def test_generate_tiny(capsys):
 def test_bench_tiny(tmp_path, capsys):
     main(["bench", "--tiny", "--methods", "full", "snapkv", "kvzip", "proxykv", "--context-lengths", "64", "128",
           "--repeats", "1", "--decode-tokens", "4", "--out", str(tmp_path)])
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    rows = json.loads(last)["rows"]
+    captured = capsys.readouterr()
+    assert "8/8" in captured.err  # the progress bar: one step per (context, method)
+    rows = json.loads(captured.out.strip().splitlines()[-1])["rows"]
     assert {(r["context"], r["method"]) for r in rows} == {(n, m) for n in (64, 128)
                                                             for m in ("full", "snapkv", "kvzip", "proxykv")}
     full = [r for r in rows if r["method"] == "full"]

@@ -90,3 +90,21 @@ def test_bench_mapper_cpu_restores_the_sdpa_path(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 96 |")]
     assert len(rows) == 1 and float(rows[0].split("|")[-2]) < 1e-4  # both paths give the same logits
     assert TimeEncoder.encode_sdpa is before
+
+
+def test_compare_kvzip_scorers(tmp_path):
+    from proxykv_hf.scorers import kvzip
+    from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+
+    mod = example("compare_kvzip_scorers")
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    ids = random_prompt(1, 48, seed=2)["input_ids"]
+    source = Path(kvzip.__file__).read_text()
+    same = mod.compare(model, tok, ids, mod.load_other(kvzip.__file__), keep_ratios=(0.3,))
+    assert same["max_abs_diff"] == 0 and same["kept_agreement"] == {0.3: 1.0}
+    assert set(same["seconds"]) == {"installed", "other", "installed again"}
+    assert kvzip._ChunkRecorder.__module__ == "proxykv_hf.scorers.kvzip"  # put back
+    wrong = tmp_path / "kvzip_wrong.py"  # a causal mask one key off: other scores, other kept sets
+    wrong.write_text(source.replace(".triu_(1)", ".triu_(2)"))
+    other = mod.compare(model, tok, ids, mod.load_other(str(wrong)), keep_ratios=(0.1, 0.3, 0.5, 0.7))
+    assert other["max_abs_diff"] > 1e-3 and min(other["kept_agreement"].values()) < 1.0

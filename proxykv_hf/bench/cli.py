@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
@@ -74,7 +75,9 @@ def run_bench(ns) -> int:
         model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
         scorers, runner = _scorers(ns, model, tok, tmp)
         bench = Bench(model, scorers, cfg, proxy_runner=runner)
-        rows = bench.run()
+        with tqdm(total=len(cfg.context_lengths) * len(cfg.methods), desc="bench", unit="method") as bar:
+            rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
+                                                                   ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
     env = environment(model)
     env["shape"] = ns.shape
     print(table(rows))
