@@ -14,8 +14,6 @@ written before it held the maxima serves sum-only mappers.
 setting ``pool_kernel``: :func:`proxykv_hf.selection.smooth_scores` with ``keep_peaks``, as the cache does), and
 ``--keep-ratios`` adds how often the *whole* needle (every token of the answer) survives the Top-K that the cache
 would make (4 sink tokens kept), over layers and KV heads: a number split into digit tokens is lost if any digit is.
-``--layer-mixes`` also mixes each layer's scores with their all-layer mean before the pooling (the checkpoint setting
-``layer_mix``: :func:`proxykv_hf.selection.mix_layers`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from compare_proxies import needle_positions, rank_percentile  # noqa: E402
 
 from proxykv_hf.eval import tasks as task_lib  # noqa: E402
 from proxykv_hf.hub import load_checkpoint  # noqa: E402
-from proxykv_hf.selection import mix_layers, select_topk, smooth_scores  # noqa: E402
+from proxykv_hf.selection import select_topk, smooth_scores  # noqa: E402
 
 
 def cached_features(tasks: list[str], n: int, tokens: int, seed: int, cache: Path) -> list[dict]:
@@ -77,15 +75,6 @@ def needle_kept(scores: torch.Tensor, positions: list[int], keep_ratio: float, n
     return float(kept[..., positions].all(-1).float().mean())
 
 
-def layer_mixed(scores: torch.Tensor, layer_mix: float) -> torch.Tensor:
-    """`(L, H, N)` mapper scores of one unpadded prompt after :func:`mix_layers` (``layer_mix`` 0: as they are)."""
-    if not layer_mix:
-        return scores
-    mixed = mix_layers({i: s[None] for i, s in enumerate(scores)}, torch.ones(1, scores.shape[-1], dtype=torch.bool),
-                       layer_mix)
-    return torch.cat([mixed[i] for i in range(scores.shape[0])])
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=["niah_single_1"])
@@ -96,13 +85,12 @@ def main(argv=None) -> None:
     p.add_argument("--mappers", nargs="*", default=[], help="checkpoint directories or Hub ids")
     p.add_argument("--pool-kernels", nargs="+", type=int, default=[1], help="score pooling widths to compare")
     p.add_argument("--keep-ratios", nargs="*", type=float, default=[], help="also: whole needle kept at these rho")
-    p.add_argument("--layer-mixes", nargs="+", type=float, default=[0.0], help="layer mixing shares to compare")
     ns = p.parse_args(argv)
     cache = ns.cache or Path(f"runs/needle-cache-{'-'.join(ns.tasks)}-n{ns.n_samples}-t{ns.tokens}-s{ns.seed}.pt")
     items = cached_features(ns.tasks, ns.n_samples, ns.tokens, ns.seed, cache)
     print(f"{','.join(ns.tasks)}, {ns.n_samples} samples per task of ~{ns.tokens} tokens, seed {ns.seed}: "
           "needle rank percentile (0 = top, 0.5 = chance)")
-    width = max([60] + [len(f"{path}, pooled over {max(ns.pool_kernels)}, layer_mix 0.75") for path in ns.mappers])
+    width = max([60] + [len(f"{path}, pooled over {max(ns.pool_kernels)}") for path in ns.mappers])
     kept_head = "".join(f" {'whole @' + format(r, 'g'):>9}" for r in ns.keep_ratios)
     print(f"{'source':<{width}} {'best layer':>10} {'median layer':>12}{kept_head}")
     heads = 9  # SmolLM2's query heads: the first 9 rows are the sums
@@ -119,19 +107,15 @@ def main(argv=None) -> None:
                              f"{items[0]['x'].shape[1]}: write a new one")
         with torch.no_grad():
             raw = [mapper(it["x"][None, :, :rows].float())[0].float() for it in items]  # (L, H, N) each
-        for mix in ns.layer_mixes:
-            mixed = [layer_mixed(s, mix) for s in raw]
-            for kernel in ns.pool_kernels:
-                scores = [smooth_scores(s, torch.ones(1, s.shape[-1], dtype=torch.bool), kernel, keep_peaks=True)
-                          for s in mixed]
-                lookup = {id(it): s for it, s in zip(items, scores)}
-                b, m = needle_rank(lambda it, lookup=lookup: lookup[id(it)], items)
-                kept = "".join(f" {statistics.mean(needle_kept(s, it['pos'], r) for it, s in zip(items, scores)):>9.3f}"
-                               for r in ns.keep_ratios)
-                label = f"{path}, unpooled" if kernel == 1 else f"{path}, pooled over {kernel}"
-                if mix:
-                    label += f", layer_mix {mix:g}"
-                print(f"{label:<{width}} {b:>10.3f} {m:>12.3f}{kept}")
+        for kernel in ns.pool_kernels:
+            scores = [smooth_scores(s, torch.ones(1, s.shape[-1], dtype=torch.bool), kernel, keep_peaks=True)
+                      for s in raw]
+            lookup = {id(it): s for it, s in zip(items, scores)}
+            b, m = needle_rank(lambda it, lookup=lookup: lookup[id(it)], items)
+            kept = "".join(f" {statistics.mean(needle_kept(s, it['pos'], r) for it, s in zip(items, scores)):>9.3f}"
+                           for r in ns.keep_ratios)
+            label = f"{path}, unpooled" if kernel == 1 else f"{path}, pooled over {kernel}"
+            print(f"{label:<{width}} {b:>10.3f} {m:>12.3f}{kept}")
 
 
 if __name__ == "__main__":

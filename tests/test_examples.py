@@ -67,17 +67,6 @@ def test_needle_kept_counts_rows_whose_topk_holds_the_whole_needle():
     assert needle_kept(scores, [10, 11], 0.05, n_sink=0) == 0.0  # one token kept
 
 
-def test_needle_rank_layer_mixed_is_the_library_mix():
-    from proxykv_hf.selection import mix_layers
-
-    layer_mixed = example("needle_rank").layer_mixed
-    scores = torch.randn(3, 2, 20, generator=torch.Generator().manual_seed(0))
-    assert layer_mixed(scores, 0.0) is scores
-    want = mix_layers({i: s[None] for i, s in enumerate(scores)}, torch.ones(1, 20, dtype=torch.bool), 0.5)
-    torch.testing.assert_close(layer_mixed(scores, 0.5), torch.cat([want[i] for i in range(3)]))
-    assert torch.equal(layer_mixed(scores, 1.0)[0], layer_mixed(scores, 1.0)[2])
-
-
 def test_val_unseen_texts_keeps_only_texts_no_run_trained_on():
     from proxykv_hf.train import split_dataset
 
