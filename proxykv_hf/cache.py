@@ -219,7 +219,6 @@ class ProxyKVCache(DynamicCache):
         local_files_only: bool | None = None,
         chunk_size: int = CHUNK_SIZE,
         pool_kernel: int | None = None,
-        layer_mix: float | None = None,
         **kwargs,
     ) -> "ProxyKVCache":
         """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
@@ -233,7 +232,6 @@ class ProxyKVCache(DynamicCache):
             revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
             chunk_size: queries per chunk when accumulating the proxy's attention.
             pool_kernel: tokens the scores are average-pooled over before the Top-K; None: the checkpoint's.
-            layer_mix: share of the all-layer mean in each layer's scores (0 = off); None: the checkpoint's.
             **kwargs: ``n_sink``, ``n_recent``, ``config``, as for the constructor.
 
         Returns:
@@ -255,7 +253,7 @@ class ProxyKVCache(DynamicCache):
                 raise ValueError(f"proxy has {layers} layers and {got} heads, the mapper expects "
                                  f"{ckpt.proxy.num_layers} layers and {ckpt.proxy.num_heads} heads")
         scorer = ProxyScorer(ckpt, proxy_model=proxy, proxy_device=proxy_device, chunk_size=chunk_size,
-                             pool_kernel=pool_kernel, layer_mix=layer_mix)
+                             pool_kernel=pool_kernel)
         return cls(scorer, keep_ratio, **kwargs)
 
     def fresh(self) -> "ProxyKVCache":
@@ -322,7 +320,6 @@ class ProxyKVCache(DynamicCache):
         self._k_row: torch.Tensor | None = None  # (B,) per-row budgets, on the CPU
         self._pending_all: list[int] = []
         self._deferred: list[int] = []  # layers prefilled before the scorer's scores were ready
-        self._held: dict[int, torch.Tensor] = {}  # a combines_layers scorer's per-layer scores, until all are in
 
     def reset(self) -> None:
         """Empty the cache, forget the prompt; the next prefill is compressed again."""
@@ -444,25 +441,13 @@ class ProxyKVCache(DynamicCache):
         last = layer_idx == self.compactable_layers()[-1]
         if self.scorer.ready() or last:
             for i in self._deferred:  # scores computed beside the prefill are in: compact the layers that waited
-                self._take(i, self.scorer.score(self._inputs(i, scaling)))
+                self._compact(i, self.scorer.score(self._inputs(i, scaling)))
             self._deferred = []
         elif self.scorer.query_free:  # a side stream is still scoring: do not make this stream wait for it
             self._deferred.append(layer_idx)
             return
-        self._take(layer_idx, self.scorer.score(self._inputs(layer_idx, scaling, module=module, query=query,
-                                                             key=key, value=value, attention_mask=attention_mask)))
-
-    def _take(self, layer_idx: int, scores: torch.Tensor) -> None:
-        """Compact a layer with its scores, or, for a ``combines_layers`` scorer, hold them until every layer's are
-        in and then compact all layers with the combined scores."""
-        if not self.scorer.combines_layers:
-            self._compact(layer_idx, scores)
-            return
-        self._held[layer_idx] = scores
-        if len(self._held) == len(self.compactable_layers()):
-            held, self._held = self._held, {}
-            for i, s in self.scorer.combine(held, self.prompt.valid).items():
-                self._compact(i, s)
+        self._compact(layer_idx, self.scorer.score(self._inputs(layer_idx, scaling, module=module, query=query,
+                                                                key=key, value=value, attention_mask=attention_mask)))
 
     def _inputs(self, layer_idx, scaling, *, module=None, query=None, key=None, value=None,
                 attention_mask=None) -> LayerInputs:

@@ -118,9 +118,6 @@ def _pool_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-kernel", type=int, default=None,
                    help="ProxyKV: average-pool the mapper's scores over this many tokens before the Top-K (odd; "
                         "default: the checkpoint's pool_kernel)")
-    p.add_argument("--layer-mix", type=float, default=None,
-                   help="ProxyKV: share of the all-layer mean in each layer's standardised scores (0-1; default: the "
-                        "checkpoint's layer_mix)")
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -130,8 +127,7 @@ def cmd_generate(ns) -> int:
 
     model, tok = load(ns)
     with tempfile.TemporaryDirectory() as tmp:
-        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), pool_kernel=ns.pool_kernel,
-                                layer_mix=ns.layer_mix)
+        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), pool_kernel=ns.pool_kernel)
         scorer = build_method(ns.method, model, options)
         pipe = ProxyKVPipeline(model, tok, None if scorer is None else scorer.inner,
                                keep_ratio=1.0 if scorer is None else ns.keep_ratio)
@@ -156,8 +152,7 @@ def cmd_eval(ns) -> int:
     cfg = from_args(EvalConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
         options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), seed=ns.seed,
-                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel,
-                                layer_mix=ns.layer_mix)
+                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel)
         out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")

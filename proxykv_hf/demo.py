@@ -47,7 +47,7 @@ def run_demo(ns) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mapper = _mapper_for(ns, model, tmp)
-        options = MethodOptions(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix)
+        options = MethodOptions(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel)
         methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
         if len(methods) < len(ns.methods):
             print("no mapper checkpoint found: skipping proxykv (pass --mapper)")

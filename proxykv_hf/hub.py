@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .mapper import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec
-from .selection import check_kernel_size, check_layer_mix
+from .selection import check_kernel_size
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,6 @@ class Checkpoint:
             tokens around it where that is higher (odd; 1 = off, the paper's selection;
             :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``). A scoring setting, not a weight: chosen
             after training and stored with the mapper so that every user of the checkpoint selects the same way.
-        layer_mix: in [0, 1]; each layer's scores (standardised per head over the prompt's tokens) are mixed with
-            their mean over all compacted layers, ``(1 - layer_mix) * own + layer_mix * mean``, before the pooling
-            (0 = off, each layer alone; the cache then compacts every layer at the end of the prefill). Also a
-            scoring setting, not a weight.
     """
 
     mapper: HybridAxialMapper
@@ -76,11 +72,9 @@ class Checkpoint:
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     pool_kernel: int = 1
-    layer_mix: float = 0.0
 
     def __post_init__(self) -> None:
         check_kernel_size(self.pool_kernel, "pool_kernel")
-        check_layer_mix(self.layer_mix)
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
         want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
@@ -119,7 +113,6 @@ def _card(ckpt: Checkpoint) -> str:
         f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,} |",
         f"| score pooling (`pool_kernel`) | {ckpt.pool_kernel} (1 = off) |",
-        f"| layer mixing (`layer_mix`) | {ckpt.layer_mix:g} (0 = off) |",
     ]
     for key, value in sorted(ckpt.training.items()):
         lines.append(f"| training {key} | {value} |")
@@ -139,7 +132,6 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
         "target": ckpt.target.to_dict(),
         "pairing": ckpt.mapper.pairing(),
         "pool_kernel": ckpt.pool_kernel,
-        "layer_mix": ckpt.layer_mix,
         "training": ckpt.training,
         "metrics": ckpt.metrics,
     }
@@ -189,8 +181,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     mapper.to(map_location).eval()
     return Checkpoint(mapper=mapper, proxy=ProxySpec.from_dict(config["proxy"]),
                       target=TargetSpec(**config["target"]), training=config.get("training", {}),
-                      metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1),
-                      layer_mix=config.get("layer_mix", 0.0))
+                      metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1))
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

@@ -84,39 +84,6 @@ def smooth_scores(scores: torch.Tensor, valid: torch.Tensor, kernel_size: int, *
     return torch.maximum(scores, pooled) if keep_peaks else pooled
 
 
-def check_layer_mix(layer_mix: object) -> float:
-    """``layer_mix`` as a float in [0, 1], or a ``ValueError``."""
-    if isinstance(layer_mix, bool) or not isinstance(layer_mix, (int, float)) or not 0.0 <= layer_mix <= 1.0:
-        raise ValueError(f"layer_mix must be a number in [0, 1], got {layer_mix!r}")
-    return float(layer_mix)
-
-
-def mix_layers(scores: dict[int, torch.Tensor], valid: torch.Tensor, layer_mix: float) -> dict[int, torch.Tensor]:
-    """Each layer's `(B, H, T)` scores, standardised per row and head over the real tokens (mean 0, std 1), mixed
-    with the mean of the standardised scores of all layers: ``(1 - layer_mix) * own + layer_mix * mean``.
-
-    A layer whose own scores are noisy borrows the ranking its neighbours agree on. The standardisation is an affine
-    map per row, so ``layer_mix`` 0 keeps every layer's Top-K (and its pooled Top-K) as it was.
-    """
-    layer_mix = check_layer_mix(layer_mix)
-    if not scores:
-        return {}
-    first = next(iter(scores.values()))
-    real = valid.to(first.device)[:, None, :]  # (B, 1, T)
-    n = real.sum(-1, keepdim=True).clamp_min(1)
-
-    def standardised(s: torch.Tensor) -> torch.Tensor:
-        s = s.float().masked_fill(~real, 0.0)
-        mean = s.sum(-1, keepdim=True) / n
-        centred = (s - mean).masked_fill(~real, 0.0)
-        std = (centred.square().sum(-1, keepdim=True) / n).sqrt().clamp_min(1e-6)
-        return centred / std
-
-    z = {i: standardised(s) for i, s in scores.items()}
-    mean = torch.stack(list(z.values())).mean(0)
-    return {i: (1.0 - layer_mix) * s + layer_mix * mean for i, s in z.items()}
-
-
 def protected_mask(valid: torch.Tensor, n_sink: int, n_recent: int) -> torch.Tensor:
     """`(B, T)` bool: the first ``n_sink`` and the last ``n_recent`` real tokens of each row."""
     rank = valid.long().cumsum(-1)  # 1-based rank of each real token, (B, T)

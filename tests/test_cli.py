@@ -166,13 +166,10 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path):
     snap = [r for r in records if r["method"] == "snapkv"]
     assert len(snap) == 1 and 0 <= snap[0]["topk_recall"] <= 1 and 0 < snap[0]["mass_recovery"] <= 1
     # ProxyKV with its scores pooled: the run's config records the setting
-    main(common + ["--methods", "proxykv", "--pool-kernel", "3", "--layer-mix", "0.5"])
-    options = json.loads((out / "config.json").read_text())["options"]
-    assert options["pool_kernel"] == 3 and options["layer_mix"] == 0.5
+    main(common + ["--methods", "proxykv", "--pool-kernel", "3"])
+    assert json.loads((out / "config.json").read_text())["options"]["pool_kernel"] == 3
     with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
         main(common + ["--methods", "proxykv", "--pool-kernel", "2"])
-    with pytest.raises(ValueError, match="layer_mix must be a number in"):
-        main(common + ["--methods", "proxykv", "--layer-mix", "2"])
 
 
 def test_eval_report_splits_held_out_families(tmp_path):

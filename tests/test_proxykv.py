@@ -102,65 +102,6 @@ def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, tar
         Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, pool_kernel=0)
 
 
-@pytest.mark.parametrize("kind", ["layers", "self"])
-def test_layer_mix_selects_the_topk_of_the_mixed_pooled_scores(tmp_path, target, kind):
-    """A checkpoint's layer_mix mixes each layer's standardised scores with their all-layer mean before the pooling;
-    every layer is compacted at the end of the prefill with those scores."""
-    from proxykv_hf.selection import mix_layers, select_topk, smooth_scores
-
-    _, ckpt = make_checkpoint(tmp_path, kind)
-    ckpt.pool_kernel, ckpt.layer_mix = 5, 0.75
-    path = save_checkpoint(ckpt, tmp_path / "mixed")
-    assert load_checkpoint(path).layer_mix == 0.75 and "layer mixing" in (path / "README.md").read_text()
-    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
-    valid = inputs["attention_mask"].bool()
-    raw = ProxyKVCache.from_pretrained(path, keep_ratio=1.0, pool_kernel=1, layer_mix=0, record_only=True)
-    target(**inputs, past_key_values=raw, use_cache=True)
-    assert set(raw.scores) == set(range(TARGET_LAYERS))
-    want = mix_layers(raw.scores, valid, 0.75)
-    kept = {}
-    for mix in (None, 0.0):
-        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, layer_mix=mix)
-        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
-        assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 1] * TARGET_LAYERS  # + one decoded token
-        kept[mix] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
-    for layer in range(TARGET_LAYERS):
-        idx, _ = select_topk(smooth_scores(want[layer], valid, 5, keep_peaks=True), 0.3, valid, n_sink=4)
-        assert torch.equal(idx, kept[None][layer]), layer
-        idx, _ = select_topk(smooth_scores(raw.scores[layer], valid, 5, keep_peaks=True), 0.3, valid, n_sink=4)
-        assert torch.equal(idx, kept[0.0][layer]), layer  # layer_mix 0: each layer alone, as before
-    assert any(not torch.equal(a, b) for a, b in zip(kept[None], kept[0.0]))  # the mixing changed what is kept
-    with pytest.raises(ValueError, match="layer_mix must be a number in"):
-        ProxyKVCache.from_pretrained(path, layer_mix=1.5)
-
-
-def test_mix_layers():
-    from proxykv_hf.selection import mix_layers
-
-    g = torch.Generator().manual_seed(0)
-    scores = {i: torch.randn(2, 3, 16, generator=g) * (i + 1) + i for i in range(4)}
-    valid = torch.ones(2, 16, dtype=torch.bool)
-    valid[1, :5] = False  # left padding
-    alone = mix_layers(scores, valid, 0.0)
-    for i, s in scores.items():  # standardised: the same order within each row's real tokens
-        assert torch.equal(alone[i][0].argsort(-1), s[0].argsort(-1))
-        real = alone[i][1][:, 5:]
-        torch.testing.assert_close(real.mean(-1), torch.zeros(3), atol=1e-5, rtol=0)
-        torch.testing.assert_close(real.pow(2).mean(-1), torch.ones(3), atol=1e-4, rtol=0)
-    padded = {i: s.clone() for i, s in scores.items()}
-    for s in padded.values():
-        s[1, :, :5] = 1e6  # what padding holds does not matter
-    for i, s in mix_layers(padded, valid, 0.5).items():
-        torch.testing.assert_close(s[1, :, 5:], mix_layers(scores, valid, 0.5)[i][1, :, 5:])
-    shared = mix_layers(scores, valid, 1.0)
-    assert all(torch.equal(shared[0], s) for s in shared.values())  # 1: every layer the same mean
-    mean = torch.stack(list(alone.values())).mean(0)
-    torch.testing.assert_close(mix_layers(scores, valid, 0.25)[2], 0.75 * alone[2] + 0.25 * mean)
-    for bad in (-0.1, 1.01, True, "0.5"):
-        with pytest.raises(ValueError, match="layer_mix must be a number in"):
-            mix_layers(scores, valid, bad)
-
-
 def test_checkpoint_round_trip(tmp_path):
     path, ckpt = make_checkpoint(tmp_path, "layers")
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "model.safetensors", "proxykv_config.json"]

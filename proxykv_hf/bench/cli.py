@@ -38,8 +38,7 @@ def _scorers(ns, model, tok, tmp: str):
                 raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
             scorer = ProxyKVCache.from_pretrained(mapper, proxy=getattr(ns, "_proxy_model", None),
                                                   proxy_device=ns.proxy_device or ns.device,
-                                                  pool_kernel=getattr(ns, "pool_kernel", None),
-                                                  layer_mix=getattr(ns, "layer_mix", None)).scorer
+                                                  pool_kernel=getattr(ns, "pool_kernel", None)).scorer
             scorers[method] = scorer
             runner = scorer.proxy_model if scorer.spec.kind == "model" else model
     return scorers, runner

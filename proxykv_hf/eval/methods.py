@@ -80,7 +80,6 @@ class MethodOptions:
         seed: for the random method.
         kvzip_chunk: KVzip's reconstruction chunk size.
         pool_kernel: ProxyKV's score pooling (see ``ProxyKVCache.from_pretrained``); None: the checkpoint's.
-        layer_mix: ProxyKV's layer mixing (see ``ProxyKVCache.from_pretrained``); None: the checkpoint's.
     """
 
     tokenizer: object = None
@@ -91,7 +90,6 @@ class MethodOptions:
     seed: int = 0
     kvzip_chunk: int = 2048
     pool_kernel: int | None = None
-    layer_mix: float | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -115,8 +113,7 @@ def build_method(name: str, model, options: MethodOptions) -> RecordingScorer | 
         from ..cache import ProxyKVCache
 
         inner = ProxyKVCache.from_pretrained(options.mapper, proxy=options.proxy,
-                                             pool_kernel=options.pool_kernel,
-                                             layer_mix=options.layer_mix).scorer
+                                             pool_kernel=options.pool_kernel).scorer
     elif name == "kvzip_iam":
         from ..scorers.iam import KVzipIAMScorer
 

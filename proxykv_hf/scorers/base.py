@@ -76,9 +76,6 @@ class Scorer:
         needs_input_ids: the prompt's token ids are required.
         query_free: :meth:`score` does not read the layer's queries, keys or values (scores computed elsewhere,
             e.g. by a proxy on a side stream): the cache may then call it later, once :meth:`ready` says so.
-        combines_layers: a per-layer scorer whose final scores depend on every layer's: the cache holds what
-            :meth:`score` returns for each layer and compacts all of them at the end of the prefill with the scores
-            of :meth:`combine`.
     """
 
     n_sink: int = 0
@@ -86,7 +83,6 @@ class Scorer:
     needs_all_layers: bool = False
     needs_input_ids: bool = False
     query_free: bool = False
-    combines_layers: bool = False
 
     def fresh(self) -> "Scorer":
         """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""
@@ -102,10 +98,6 @@ class Scorer:
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         """Scores `(B, H_kv, T)` of one layer."""
         raise NotImplementedError(f"{type(self).__name__} does not score layer by layer")
-
-    def combine(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Final scores of every layer from what :meth:`score` returned for each (``combines_layers`` only)."""
-        return scores
 
     def score_all(self, prompt: Prompt, cache) -> dict[int, torch.Tensor]:
         """Scores `(B, H_kv, T)` for every compacted layer index of ``cache`` (``cache.compactable_layers()``)."""

@@ -10,7 +10,7 @@ import torch
 
 from ..proxy import decoder_of, proxy_features
 from ..scoring import CHUNK_SIZE, attention_sums
-from ..selection import check_kernel_size, check_layer_mix, mix_layers, smooth_scores
+from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, Prompt, Scorer
 
 logger = logging.getLogger(__name__)
@@ -43,14 +43,10 @@ class ProxyScorer(Scorer):
         pool_kernel: before the Top-K, lift each score to the mean of the ``pool_kernel`` tokens around it where that
             is higher (odd; 1 = off; :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``); None: the
             checkpoint's ``pool_kernel``.
-        layer_mix: mix each layer's standardised scores with their mean over all layers before the pooling
-            (:func:`~proxykv_hf.selection.mix_layers`; 0 = off); the cache then compacts every layer at the end of
-            the prefill. None: the checkpoint's ``layer_mix``.
     """
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE, n_sink: int = 4,
-                 mapper_autocast: bool = True, overlap: bool | None = None, pool_kernel: int | None = None,
-                 layer_mix: float | None = None):
+                 mapper_autocast: bool = True, overlap: bool | None = None, pool_kernel: int | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -65,8 +61,6 @@ class ProxyScorer(Scorer):
         self.overlap = overlap
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
                                                                                                 "pool_kernel")
-        self.layer_mix = check_layer_mix(checkpoint.layer_mix if layer_mix is None else layer_mix)
-        self.combines_layers = self.layer_mix > 0
         self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
@@ -164,14 +158,7 @@ class ProxyScorer(Scorer):
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        if self.combines_layers:
-            return self._layer_scores(inputs)  # mixed and pooled in combine(), once every layer's are in
         return smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel, keep_peaks=True)
-
-    @torch.no_grad()
-    def combine(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
-        mixed = mix_layers(scores, valid, self.layer_mix)
-        return {i: smooth_scores(s, valid, self.pool_kernel, keep_peaks=True) for i, s in mixed.items()}
 
     def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
