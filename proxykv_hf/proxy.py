@@ -107,7 +107,8 @@ class FeatureCache(DynamicCache):
     """A cache that stores nothing: it lets each layer attend over its own prompt K/V, records the attention sums,
     and drops the K/V right away (the proxy's memory premium is one layer's K/V plus one chunk of probabilities)."""
 
-    def __init__(self, valid: torch.Tensor | None, chunk_size: int = CHUNK_SIZE, statistics: tuple[str, ...] = ("sum",)):
+    def __init__(self, valid: torch.Tensor | None, chunk_size: int = CHUNK_SIZE,
+                 statistics: tuple[str, ...] = ("sum",)):
         super().__init__()
         self.sums: dict[int, torch.Tensor] = {}
         self.valid, self.chunk_size, self.statistics = valid, chunk_size, tuple(statistics)

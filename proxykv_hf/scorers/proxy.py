@@ -45,8 +45,9 @@ class ProxyScorer(Scorer):
             checkpoint's ``pool_kernel``.
     """
 
-    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE, n_sink: int = 4,
-                 mapper_autocast: bool = True, overlap: bool | None = None, pool_kernel: int | None = None):
+    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
+                 n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
+                 pool_kernel: int | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
