@@ -6,7 +6,8 @@ process, and check that both keep the same K/V.
 
 Runs ``kvzip_scores`` (prefill + reconstruction) on a ``niah_single_1`` prompt of SmolLM2 with the installed scorer,
 the other file's ``_ChunkRecorder`` (the per-chunk scoring), then the installed one again, and prints the seconds of
-each, the largest score difference and, per keep ratio, the share of kept (layer, head, token) entries both keep.
+each, the largest score difference and, per keep ratio, the share of the other scorer's kept entries that the
+installed one keeps too (the eval harness's top-K recall).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from proxykv_hf.eval import tasks as task_lib
 from proxykv_hf.scorers import kvzip
-from proxykv_hf.selection import select_topk
+from proxykv_hf.eval.harness import fidelity
 
 
 def load_other(path: str):
@@ -28,18 +29,6 @@ def load_other(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def kept_agreement(a: torch.Tensor, b: torch.Tensor, keep_ratio: float, n_sink: int = 4) -> float:
-    """Share of the entries kept from ``a`` that ``b`` keeps too; both `(L, B, H_kv, T)` scores of one prompt."""
-    same = total = 0
-    for layer_a, layer_b in zip(a, b):
-        ia, _ = select_topk(layer_a, keep_ratio, n_sink=n_sink)
-        ib, _ = select_topk(layer_b, keep_ratio, n_sink=n_sink)
-        for row_a, row_b in zip(ia.flatten(0, 1).tolist(), ib.flatten(0, 1).tolist()):
-            same += len(set(row_a) & set(row_b))
-            total += len(row_a)
-    return same / total
 
 
 def compare(model, tok, ids: torch.Tensor, other, keep_ratios=(0.1, 0.3)) -> dict:
@@ -54,8 +43,10 @@ def compare(model, tok, ids: torch.Tensor, other, keep_ratios=(0.1, 0.3)) -> dic
     finally:
         kvzip._ChunkRecorder = installed
     a, b = scores["installed"], scores["other"]
-    return {"seconds": seconds, "max_abs_diff": float((a - b).abs().max()),
-            "kept_agreement": {r: kept_agreement(a, b, r) for r in keep_ratios}}
+    # the eval harness's top-K recall of the installed scorer's kept sets against the other's (4 sinks kept by both)
+    layers, valid = dict(enumerate(a)), torch.ones(ids.shape, dtype=torch.bool)
+    recall = {r: fidelity(layers, dict(enumerate(b)), valid, r, 4, 0, 4)["topk_recall"] for r in keep_ratios}
+    return {"seconds": seconds, "max_abs_diff": float((a - b).abs().max()), "kept_agreement": recall}
 
 
 def main(argv=None) -> None:
