@@ -6,6 +6,11 @@ adjust the mask (spare slots of padded rows) and, after computing the ordinary a
 queries so that it can score and compact the layer. With nothing pending the wrapper is a plain pass-through, so a
 model opted into it behaves exactly as before with any other cache.
 
+A pending call may also offer ``attend``: for a plain causal prefill (no mask, no dropout, window, softcap or other
+extra; see :func:`plain_causal`) under sdpa, the wrapper then lets it compute the attention output itself, so that
+it can take its statistics from the same softmax instead of running the attention twice (the CPU path of the
+ProxyKV proxy). ``attend`` returns None to decline, and the ordinary path runs.
+
 Nothing is registered on import: :func:`use_proxykv_attention` registers the two functions (``proxykv_sdpa``,
 ``proxykv_eager``) once and opts one model in.
 """
@@ -34,6 +39,23 @@ class PendingCall(Protocol):
     def after(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, scaling: float) -> None: ...
 
+    # optional: ``attend(module, query, key, value, scaling) -> (B, H, Q, D) output or None`` (see module docstring)
+
+
+# the keyword arguments a plain causal attention call may carry (what Llama, Mistral, Qwen2/3 and Gemma3 pass)
+_PLAIN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "position_ids", "use_cache", "cache_position",
+                           "is_causal"})
+
+
+def plain_causal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, args: tuple, kwargs: dict) -> bool:
+    """True for a causal prefill over its own unpadded keys with nothing else to honour: no mask, no dropout, no
+    sliding window, no extra argument (softcap, attention sinks, position bias...)."""
+    return (attention_mask is None and not args and query.shape[2] == key.shape[2] > 1
+            and query.shape[-1] == value.shape[-1] and set(kwargs) <= _PLAIN_KWARGS and not kwargs.get("dropout")
+            and kwargs.get("sliding_window") is None and kwargs.get("is_causal", True) is not False
+            and getattr(module, "is_causal", True))
+
 
 def set_pending(call: PendingCall | None) -> None:
     """Leave ``call`` for the next attention function that runs in this thread."""
@@ -54,21 +76,29 @@ def _eager_for(module: torch.nn.Module) -> Callable:
     return fn
 
 
+def _scaling(module: torch.nn.Module, query: torch.Tensor, kwargs: dict) -> float:
+    scaling = kwargs.get("scaling")
+    return getattr(module, "scaling", query.shape[-1] ** -0.5) if scaling is None else scaling
+
+
 def _make_wrapper(base: str) -> Callable:
     def proxykv_attention(module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
         call = _take_pending()
         if call is not None:
             attention_mask = call.before(module, attention_mask, query, key)
+            attend = getattr(call, "attend", None)
+            if attend is not None and base == "sdpa" and plain_causal(module, query, key, value, attention_mask,
+                                                                      args, kwargs):
+                out = attend(module, query, key, value, _scaling(module, query, kwargs))
+                if out is not None:
+                    return out.transpose(1, 2).contiguous(), None  # (B, Q, H, D), as sdpa_attention_forward
         if base == "sdpa":
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
         else:
             fn = _eager_for(module)
         out = fn(module, query, key, value, attention_mask, *args, **kwargs)
         if call is not None:
-            scaling = kwargs.get("scaling")
-            if scaling is None:
-                scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-            call.after(module, query, key, value, attention_mask, scaling)
+            call.after(module, query, key, value, attention_mask, _scaling(module, query, kwargs))
         return out
 
     proxykv_attention.__name__ = f"proxykv_{base}_attention"

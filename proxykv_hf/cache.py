@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from . import attention
 from .scorers.base import LayerInputs, Prompt, Scorer
-from .scoring import CHUNK_SIZE
+from .scoring import CHUNK_SIZE, causal_attention_with_statistics, fuses_with_attention
 from .selection import check_keep_ratio, keep_counts, select_topk
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,11 @@ class _PendingLayer:
         if self.compact:  # prefill of a layer not compacted yet: nothing to hide
             return attention_mask
         return self.cache._mask_spare_slots(attention_mask, query.shape[2], key.shape[2])
+
+    def attend(self, module, query, key, value, scaling):
+        if self.compact:
+            return self.cache._attend_with_statistics(self.layer_idx, module, query, key, value, scaling)
+        return None
 
     def after(self, module, query, key, value, attention_mask, scaling):
         if self.compact:
@@ -427,10 +432,23 @@ class ProxyKVCache(DynamicCache):
         return keys, values
 
     # ----------------------------------------------------------------------------------------------- compaction
-    def _on_prefill_attention(self, layer_idx, module, query, key, value, attention_mask, scaling) -> None:
+    def _attend_with_statistics(self, layer_idx, module, query, key, value, scaling) -> torch.Tensor | None:
+        """A plain causal prefill of a layer whose scorer reads its own attention statistics: compute the attention
+        output and the statistics in one pass, then score the layer; None (sdpa runs) where that does not pay."""
+        wanted = getattr(self.scorer, "own_statistics", ())
+        if not wanted or not fuses_with_attention(query) or self._keeps_everything():
+            return None
+        Q = query.shape[2]
+        out, statistics = causal_attention_with_statistics(
+            query, key, value, scaling, query_valid=self.prompt.valid[:, -Q:].to(query.device),
+            chunk_size=getattr(self.scorer, "chunk_size", CHUNK_SIZE), statistics=wanted)
+        self._on_prefill_attention(layer_idx, module, query, key, value, None, scaling, statistics=statistics)
+        return out
+
+    def _on_prefill_attention(self, layer_idx, module, query, key, value, attention_mask, scaling, *,
+                              statistics=None) -> None:
         layer = self.layers[layer_idx]
-        T = self.prefill_length
-        if self.scorer is None or (self._k_max >= T and not self.record_only):
+        if self._keeps_everything():
             layer.compact(None)  # nothing to drop (keep_ratio 1.0, or every row short enough)
             return
         if self.scorer.needs_all_layers:
@@ -447,17 +465,23 @@ class ProxyKVCache(DynamicCache):
             self._deferred.append(layer_idx)
             return
         self._compact(layer_idx, self.scorer.score(self._inputs(layer_idx, scaling, module=module, query=query,
-                                                                key=key, value=value, attention_mask=attention_mask)))
+                                                                key=key, value=value, attention_mask=attention_mask,
+                                                                statistics=statistics)))
+
+    def _keeps_everything(self) -> bool:
+        """No scorer, or every row keeps its whole prompt (and no scores are to be recorded)."""
+        return self.scorer is None or (self._k_max >= self.prefill_length and not self.record_only)
 
     def _inputs(self, layer_idx, scaling, *, module=None, query=None, key=None, value=None,
-                attention_mask=None) -> LayerInputs:
+                attention_mask=None, statistics=None) -> LayerInputs:
         """The scorer's view of one layer; keys and values default to what the layer holds (a deferred layer)."""
         layer, T = self.layers[layer_idx], self.prefill_length
         key = layer.keys if key is None else key
         value = layer.values if value is None else value
         return LayerInputs(layer_idx=layer_idx, keys=key[:, :, :T], values=value[:, :, :T], queries=query,
                            attention_mask=attention_mask, scaling=scaling, prompt=self.prompt,
-                           compact_index=self.compactable_layers().index(layer_idx), module=module)
+                           compact_index=self.compactable_layers().index(layer_idx), module=module,
+                           statistics=statistics)
 
     def _all_layers_ready(self, layer_idx: int) -> bool:
         """All compactable layers prefilled, and ``layer_idx`` is the model's last layer (Gemma3 can end with

@@ -23,7 +23,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import attention
-from .scoring import CHUNK_SIZE, attention_sums, check_statistics
+from .scoring import (CHUNK_SIZE, attention_sums, causal_attention_with_statistics, check_statistics,
+                      fuses_with_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,20 @@ class _Capture:
     def before(self, module, attention_mask, query, key):
         return attention_mask
 
+    def attend(self, module, query, key, value, scaling):
+        if not fuses_with_attention(query):
+            return None
+        out, self.sink[self.layer_idx] = causal_attention_with_statistics(
+            query, key, value, scaling, query_valid=self._valid(query), chunk_size=self.chunk_size,
+            statistics=self.statistics)
+        return out
+
     def after(self, module, query, key, value, attention_mask, scaling):
-        valid = None if self.valid is None else self.valid.to(query.device)
-        self.sink[self.layer_idx] = attention_sums(query, key, attention_mask, scaling, query_valid=valid,
+        self.sink[self.layer_idx] = attention_sums(query, key, attention_mask, scaling, query_valid=self._valid(query),
                                                    chunk_size=self.chunk_size, statistics=self.statistics)
+
+    def _valid(self, query):
+        return None if self.valid is None else self.valid.to(query.device)
 
 
 class FeatureCache(DynamicCache):

@@ -24,6 +24,15 @@ BACKENDS = ("auto", "torch", "triton")
 # with 128 against 0.27 s with 256 (a chunk's probabilities stay nearer the cache); docs/performance.md
 CHUNK_SIZE = 128
 STATISTICS = ("sum", "max")
+# let a statistics pass over a layer's own prefill also compute that attention's output (one softmax, not two)
+# where the fused Triton kernels do not run: see causal_attention_with_statistics; False restores sdpa + statistics
+FUSE_WITH_ATTENTION = True
+
+
+def fuses_with_attention(query: torch.Tensor) -> bool:
+    """Whether the statistics of ``query``'s own prefill attention should come with its output
+    (:func:`causal_attention_with_statistics`): off the GPU's fused-kernel path, unless switched off."""
+    return FUSE_WITH_ATTENTION and not kernels.available(query)
 
 
 def check_statistics(statistics) -> tuple[str, ...]:
@@ -121,9 +130,61 @@ def attention_sums(
             if "max" in statistics else (kernels.causal_attention_sums(query, key, scaling, query_valid), None)
         found = {"sum": total, "max": peak}
         return torch.cat([_reduce(found[s].view(B, H_kv, G, T), group_reduce) for s in statistics], dim=1)
+    found, _ = _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_size, statistics)
+    return torch.cat([_reduce(found[s], group_reduce) for s in statistics], dim=1)
+
+
+def causal_attention_with_statistics(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None = None,
+    *,
+    query_valid: torch.Tensor | None = None,
+    chunk_size: int = CHUNK_SIZE,
+    statistics: tuple[str, ...] | list[str] = ("sum",),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention and its per-key statistics from one pass over the logits (the PyTorch path).
+
+    What an sdpa call followed by :func:`attention_sums` returns, but each query chunk's logits and softmax are
+    computed once, not once by the attention and again by the statistics: on a CPU that saves most of the
+    attention's own cost (docs/performance.md). On a GPU the fused Triton statistics beside flash attention are
+    faster; :mod:`proxykv_hf.attention` only takes this path off the GPU.
+
+    Args:
+        query: `(B, H, Q, D)` queries (after RoPE), the last ``Q`` of the ``T`` positions.
+        key, value: `(B, H_kv, T, D)` with ``T >= Q``; ``H`` a multiple of ``H_kv``.
+        scaling, query_valid, chunk_size, statistics: as in :func:`attention_sums` (no mask: causal).
+
+    Returns:
+        the attention output `(B, H, Q, D)` in ``query``'s dtype, and the statistics `(B, S * H, T)` float32
+        (statistic-major, as :func:`attention_sums` with ``group_reduce="none"``).
+    """
+    statistics = check_statistics(statistics)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    B, H, Q, D = query.shape
+    _, H_kv, T, _ = key.shape
+    if H % H_kv or T < Q or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"need H % H_kv == 0, T >= Q and values shaped like the keys; got query "
+                         f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    scaling = D**-0.5 if scaling is None else scaling
+    found, output = _torch_statistics(query, key, None, scaling, query_valid, chunk_size, statistics, value=value)
+    return output, torch.cat([_reduce(found[s], "none") for s in statistics], dim=1)
+
+
+def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_size, statistics, value=None):
+    """The chunked PyTorch path: ``({statistic: (B, H_kv, G, T)}, attention output (B, H, Q, D) or None)``.
+
+    With ``value`` the attention output is computed from the same probabilities, before any query weighting."""
+    B, H, Q, D = query.shape
+    _, H_kv, T, _ = key.shape
+    G = H // H_kv
     k = key.float()
+    v = None if value is None else value.float()
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
     peak = torch.zeros_like(out) if "max" in statistics else None
+    attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], device=query.device)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
     for q0 in range(0, Q, chunk_size):
@@ -140,6 +201,9 @@ def attention_sums(
             bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
             logits.add_(bias[:, :, None])  # broadcast over (H_kv, G)
             probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows -> 0
+        if v is not None:
+            rows = torch.matmul(probs.view(B, H_kv, G * (q1 - q0), t_end), v[:, :, :t_end])  # (B, H_kv, G*C, Dv)
+            attended[:, :, :, q0:q1] = rows.view(B, H_kv, G, q1 - q0, -1)
         if query_valid is not None:
             probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
         out[..., :t_end] += probs.sum(dim=3)
@@ -151,8 +215,8 @@ def attention_sums(
                     torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
                 probs.masked_fill_(own, 0.0)
             peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.amax(dim=3))
-    found = {"sum": out, "max": peak}
-    return torch.cat([_reduce(found[s], group_reduce) for s in statistics], dim=1)
+    output = None if attended is None else attended.view(B, H, Q, -1).to(query.dtype)
+    return {"sum": out, "max": peak}, output
 
 
 def _reduce(out: torch.Tensor, group_reduce: str) -> torch.Tensor:

@@ -357,3 +357,72 @@ def test_query_free_scores_wait_without_blocking(ready_after):
     # last layer: ready at once -> each layer at its own poll; ready at the 2nd poll -> layer 0 waits for layer 1
     expected = {0: [1, 2, 3, 4], 1: [2, 2, 3, 4], 100: [4, 4, 4, 4]}[ready_after]
     assert seen == expected
+
+
+class _AttendingCache(DynamicCache):
+    """Leaves, for every layer, a pending call that computes the attention itself (and records that it did)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.attended = []
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        from proxykv_hf import attention
+        from proxykv_hf.scoring import causal_attention_with_statistics
+
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        cache = self
+
+        class Call:
+            def before(self, module, attention_mask, query, key):
+                return attention_mask
+
+            def attend(self, module, query, key, value, scaling):
+                cache.attended.append(layer_idx)
+                return causal_attention_with_statistics(query, key, value, scaling, chunk_size=7)[0]
+
+            def after(self, *args):
+                pass
+
+        attention.set_pending(Call())
+        return keys, values
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pending_call_may_compute_plain_causal_attention(family):
+    """The wrapper hands an unpadded causal prefill to a pending call's ``attend`` (and uses its output in sdpa's
+    layout); masked layers (padding, Gemma3's sliding windows) and decode steps keep sdpa."""
+    from proxykv_hf.attention import use_proxykv_attention
+
+    model = tiny_model(family, num_hidden_layers=3 if family != "gemma3" else 6)
+    use_proxykv_attention(model)
+    full = [i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["full_attention"] * 3)
+            if t == "full_attention"]
+    for lengths, expected in (([40, 40], full), ([40, 31], [])):
+        inputs = random_prompt(2, 40, lengths=lengths, seed=0)
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+        cache = _AttendingCache(model.config)
+        out = model.generate(**inputs, past_key_values=cache, **kw)
+        assert cache.attended == expected
+        assert torch.equal(ref.sequences, out.sequences)
+        torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_plain_causal_declines_anything_special():
+    from proxykv_hf.attention import plain_causal
+
+    module = torch.nn.Module()
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    plain = dict(dropout=0.0, scaling=0.3, sliding_window=None, position_ids=None, use_cache=True)
+    assert plain_causal(module, q, k, k, None, (), plain)
+    assert not plain_causal(module, q, k, k, torch.ones(1, 1, 6, 6, dtype=torch.bool), (), plain)  # a mask
+    assert not plain_causal(module, q[:, :, -1:], k, k, None, (), plain)  # a decode step
+    assert not plain_causal(module, q[:, :, -4:], k, k, None, (), plain)  # a continuation prefill
+    assert not plain_causal(module, q, k, k[..., :4], None, (), plain)  # values of another width
+    assert not plain_causal(module, q, k, k, None, (0.1,), plain)  # positional extras
+    for extra in (dict(dropout=0.1), dict(sliding_window=4), dict(softcap=30.0), dict(is_causal=False),
+                  dict(s_aux=torch.zeros(4))):
+        assert not plain_causal(module, q, k, k, None, (), {**plain, **extra}), extra
+    module.is_causal = False  # an encoder
+    assert not plain_causal(module, q, k, k, None, (), plain)

@@ -108,3 +108,20 @@ def test_compare_kvzip_scorers(tmp_path):
     wrong.write_text(source.replace(".triu_(1)", ".triu_(2)"))
     other = mod.compare(model, tok, ids, mod.load_other(str(wrong)), keep_ratios=(0.1, 0.3, 0.5, 0.7))
     assert other["max_abs_diff"] > 1e-3 and min(other["kept_agreement"].values()) < 1.0
+
+
+def test_compare_fused_statistics(tmp_path):
+    """The comparison runs both settings on a tiny self-proxy checkpoint and finds them in agreement."""
+    from test_proxykv import make_checkpoint
+
+    from proxykv_hf import scoring
+    from proxykv_hf.testing import random_prompt, tiny_model
+
+    mod = example("compare_fused_statistics")
+    path, _ = make_checkpoint(tmp_path, "self")
+    ids = random_prompt(1, 48, seed=2)["input_ids"]
+    r = mod.compare(tiny_model("llama", num_hidden_layers=4), ids[:, :40], ids[:, 40:], path, (0.2, 0.5),
+                    max_new_tokens=3)
+    assert [len(r["seconds"][f]) for f in (False, True)] == [2, 2]
+    assert r["max_abs_diff"] < 1e-4 and r["kept_recall"] == {0.2: 1.0, 0.5: 1.0} and r["same_answer"]
+    assert scoring.FUSE_WITH_ATTENTION  # restored

@@ -208,3 +208,41 @@ def test_snapshot_restore(target):
     cache.restore(state)
     assert cache.get_seq_length() == before[1]
     assert all(torch.equal(a, layer.keys) for a, layer in zip(before[0], cache.layers))
+
+
+@pytest.mark.parametrize("kind", ["self", "layers"])
+def test_statistics_fused_with_the_attention_change_nothing(tmp_path, target, kind, monkeypatch):
+    """Off the GPU, the proxy's statistics of an unpadded prefill come with the attention output from one softmax
+    (scoring.causal_attention_with_statistics): same kept sets and tokens as sdpa followed by the statistics.
+    Padded batches keep that path."""
+    from proxykv_hf import cache as cache_module
+    from proxykv_hf import proxy as proxy_module
+    from proxykv_hf import scoring
+
+    path, ckpt = make_checkpoint(tmp_path, kind)
+    calls, features = [], []
+    for module in (cache_module, proxy_module):
+        real = module.causal_attention_with_statistics
+        monkeypatch.setattr(module, "causal_attention_with_statistics",
+                            lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    for name in ("forward", "forward_layer"):  # what the mapper reads
+        real = getattr(HybridAxialMapper, name)
+        monkeypatch.setattr(HybridAxialMapper, name, lambda self, x, *a, _real=real, **k:
+                            features.append(x.clone()) or _real(self, x, *a, **k))
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    for lengths, fused_calls in (([40, 40], ckpt.proxy.num_layers), ([40, 31], 0)):
+        inputs = random_prompt(2, 40, lengths=lengths, seed=4)
+        runs = {}
+        for fuse in (False, True):
+            monkeypatch.setattr(scoring, "FUSE_WITH_ATTENTION", fuse)
+            calls.clear(), features.clear()
+            cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3)
+            out = target.generate(**inputs, past_key_values=cache, **kw)
+            runs[fuse] = out, [layer.kept_positions for layer in cache.layers], len(calls), list(features)
+        assert runs[False][2] == 0 and runs[True][2] == fused_calls
+        assert torch.equal(runs[False][0], runs[True][0])
+        for a, b in zip(runs[False][1], runs[True][1]):
+            assert torch.equal(a, b)
+        assert len(runs[True][3]) == (1 if kind == "layers" else TARGET_LAYERS)
+        for a, b in zip(runs[False][3], runs[True][3], strict=True):
+            torch.testing.assert_close(a, b)

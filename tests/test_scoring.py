@@ -119,3 +119,57 @@ def test_a_mask_that_shows_the_future_is_honoured():
     additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
     assert _hides_future(additive, T, T)
     assert _hides_future(causal[:, :, -4:], 4, T)  # the last 4 queries of a longer prompt
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+@pytest.mark.parametrize("Q", [13, 6])
+@pytest.mark.parametrize("statistics", [("sum",), ("max", "sum")])
+def test_attention_with_statistics_equals_attention_then_statistics(chunk, Q, statistics):
+    """One pass gives the causal attention output (queries at the last Q of T positions) and what attention_sums
+    returns; padding queries weigh nothing in the statistics but still get their output rows."""
+    from proxykv_hf.scoring import causal_attention_with_statistics
+
+    torch.manual_seed(3)
+    B, H, H_kv, T, D, Dv = 2, 6, 2, 13, 8, 5
+    query, key, value = torch.randn(B, H, Q, D), torch.randn(B, H_kv, T, D), torch.randn(B, H_kv, T, Dv)
+    query_valid = torch.rand(B, Q) > 0.3
+    out, stats = causal_attention_with_statistics(query, key, value, 0.3, query_valid=query_valid,
+                                                  chunk_size=chunk, statistics=statistics)
+    valid_keys = torch.ones(B, T, dtype=torch.bool)
+    p = explicit_probs(query, key, valid_keys, 0.3)  # (B, H, Q, T), every query row kept
+    want_out = p @ value.repeat_interleave(H // H_kv, dim=1)
+    assert out.shape == (B, H, Q, Dv) and out.dtype == query.dtype
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats, attention_sums(query, key, None, 0.3, query_valid=query_valid,
+                                                     chunk_size=chunk, statistics=statistics), rtol=0, atol=0)
+    if Q == T:  # what transformers' sdpa computes for an unpadded prefill
+        sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=0.3,
+                                                                enable_gqa=True)
+        torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_with_statistics_bad_arguments():
+    from proxykv_hf.scoring import causal_attention_with_statistics as fused
+
+    q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="values shaped like the keys"):
+        fused(q, k, torch.randn(1, 2, 5, 8))
+    with pytest.raises(ValueError, match="T >= Q"):
+        fused(q, k[:, :, :4], k[:, :, :4])
+    with pytest.raises(ValueError, match="statistics"):
+        fused(q, k, k, statistics=("mean",))
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused(q, k, k, chunk_size=0)
+
+
+def test_fusion_is_off_where_the_fused_kernels_run(monkeypatch):
+    from proxykv_hf import scoring
+
+    q = torch.randn(1, 2, 4, 8)
+    assert scoring.fuses_with_attention(q) == (not scoring.kernels.available(q))
+    monkeypatch.setattr(scoring.kernels, "available", lambda query: True)
+    assert not scoring.fuses_with_attention(q)
+    monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
+    assert scoring.fuses_with_attention(q)
+    monkeypatch.setattr(scoring, "FUSE_WITH_ATTENTION", False)
+    assert not scoring.fuses_with_attention(q)

@@ -48,6 +48,9 @@ class LayerInputs:
         scaling: softmax scale of the layer.
         prompt: the :class:`Prompt`.
         compact_index: position of this layer among the compacted (full-attention) layers.
+        statistics: for a scorer with ``own_statistics``, the layer's attention statistics `(B, S * H, T)` when the
+            cache computed them in the attention's own pass (:func:`~proxykv_hf.scoring.attention_sums` of
+            ``queries`` over ``keys``, no group reduction, padding queries weighted 0); None otherwise.
     """
 
     layer_idx: int
@@ -59,6 +62,7 @@ class LayerInputs:
     prompt: Prompt
     compact_index: int = 0
     module: torch.nn.Module | None = field(default=None, repr=False)
+    statistics: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def valid(self) -> torch.Tensor:
@@ -76,6 +80,9 @@ class Scorer:
         needs_input_ids: the prompt's token ids are required.
         query_free: :meth:`score` does not read the layer's queries, keys or values (scores computed elsewhere,
             e.g. by a proxy on a side stream): the cache may then call it later, once :meth:`ready` says so.
+        own_statistics: statistics of each layer's own prefill attention that :meth:`score` needs (names from
+            :data:`~proxykv_hf.scoring.STATISTICS`); the cache may compute them with the attention output in one
+            pass and hand them over as ``inputs.statistics`` (chunked by the scorer's ``chunk_size``).
     """
 
     n_sink: int = 0
@@ -83,6 +90,7 @@ class Scorer:
     needs_all_layers: bool = False
     needs_input_ids: bool = False
     query_free: bool = False
+    own_statistics: tuple[str, ...] = ()
 
     def fresh(self) -> "Scorer":
         """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""

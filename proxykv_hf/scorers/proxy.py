@@ -58,6 +58,7 @@ class ProxyScorer(Scorer):
         self.n_sink = n_sink
         self.needs_input_ids = self.spec.kind != "self"
         self.query_free = self.spec.kind != "self"
+        self.own_statistics = tuple(self.spec.statistics) if self.spec.kind == "self" else ()
         self.mapper_autocast = mapper_autocast
         self.overlap = overlap
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
@@ -164,9 +165,11 @@ class ProxyScorer(Scorer):
     def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
         if self.spec.kind == "self":
-            x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
-                               query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
-                               chunk_size=self.chunk_size, statistics=self.spec.statistics)  # (B, S * H, T)
+            x = inputs.statistics  # (B, S * H, T), computed in the attention's own pass, or here:
+            if x is None:
+                x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
+                                   query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
+                                   chunk_size=self.chunk_size, statistics=self.spec.statistics)
             self.mapper.to(device)
             mask = inputs.valid.to(device).long()
             return self._map(lambda: self.mapper.forward_layer(x, inputs.compact_index, mask), device)
