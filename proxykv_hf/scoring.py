@@ -9,7 +9,9 @@ stands out there more than in the sum (``examples/needle_features.py``; KVzip's 
 
 The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the causal unmasked
 case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the
-probabilities to memory.
+probabilities to memory. Elsewhere (a CPU), the statistics of a layer's own unpadded prefill come with that
+attention's output from the same softmax (:func:`causal_attention_with_statistics`): the attention then runs once,
+not once in sdpa and again here.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     v = None if value is None else value.float()
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
     peak = torch.zeros_like(out) if "max" in statistics else None
-    attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], device=query.device)
+    attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], dtype=query.dtype, device=query.device)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
     for q0 in range(0, Q, chunk_size):
@@ -215,7 +217,7 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
                     torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
                 probs.masked_fill_(own, 0.0)
             peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.amax(dim=3))
-    output = None if attended is None else attended.view(B, H, Q, -1).to(query.dtype)
+    output = None if attended is None else attended.view(B, H, Q, -1)
     return {"sum": out, "max": peak}, output
 
 
