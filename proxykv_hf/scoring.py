@@ -114,14 +114,11 @@ def attention_sums(
     statistics = check_statistics(statistics)
     if group_reduce not in _REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {_REDUCTIONS}, got {group_reduce!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_heads_and_chunk(query, key, chunk_size)
     B, H, Q, D = query.shape
     _, H_kv, T, _ = key.shape
-    if H % H_kv:
-        raise ValueError(f"query heads ({H}) must be a multiple of key heads ({H_kv})")
     G = H // H_kv
     scaling = D**-0.5 if scaling is None else scaling
     fused = attention_mask is None and T >= Q and kernels.available(query)
@@ -163,16 +160,22 @@ def causal_attention_with_statistics(
         (statistic-major, as :func:`attention_sums` with ``group_reduce="none"``).
     """
     statistics = check_statistics(statistics)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_heads_and_chunk(query, key, chunk_size)
     B, H, Q, D = query.shape
-    _, H_kv, T, _ = key.shape
-    if H % H_kv or T < Q or value.shape[:3] != key.shape[:3]:
-        raise ValueError(f"need H % H_kv == 0, T >= Q and values shaped like the keys; got query "
-                         f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+    T = key.shape[2]
+    if T < Q or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"need T >= Q and values shaped like the keys; got query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)}, value {tuple(value.shape)}")
     scaling = D**-0.5 if scaling is None else scaling
     found, output = _torch_statistics(query, key, None, scaling, query_valid, chunk_size, statistics, value=value)
     return output, torch.cat([_reduce(found[s], "none") for s in statistics], dim=1)
+
+
+def _check_heads_and_chunk(query: torch.Tensor, key: torch.Tensor, chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key heads ({key.shape[1]})")
 
 
 def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_size, statistics, value=None):

@@ -152,6 +152,8 @@ def test_attention_with_statistics_bad_arguments():
     from proxykv_hf.scoring import causal_attention_with_statistics as fused
 
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        fused(torch.randn(1, 3, 6, 8), k, k)
     with pytest.raises(ValueError, match="values shaped like the keys"):
         fused(q, k, torch.randn(1, 2, 5, 8))
     with pytest.raises(ValueError, match="T >= Q"):
