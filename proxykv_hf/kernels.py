@@ -8,7 +8,9 @@ probabilities to memory. Two passes, each a tiled ``Q K^T`` on the tensor cores 
 2. per key tile, a loop over the query tiles that see it: ``exp(logit - lse)`` summed over the queries (and, on
    request, its maximum over the queries other than the key's own position: the ``"max"`` statistic).
 
-Memory beyond the inputs is the ``(B, H, Q)`` log-sum-exp and the ``(B, H, T)`` output. The PyTorch path in
+Memory beyond the inputs is the ``(B, H, Q)`` log-sum-exp and the ``(B, H, T)`` output. Where the layer's own
+attention ran through flash attention, that call already computed each row's log-sum-exp
+(:func:`flash_attention_with_lse`); handing it over (``lse=``) skips pass 1. The PyTorch path in
 :mod:`proxykv_hf.scoring` stays the reference: ``tests/test_kernels.py`` checks the two agree (on a GPU, and on
 the CPU through Triton's interpreter when Triton is installed).
 
@@ -124,8 +126,8 @@ if triton is not None:
 def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float,
                           query_valid: torch.Tensor | None = None, *, block_m: int | None = None,
                           block_n: int | None = None, num_warps: int = 4,
-                          num_stages: int | None = None,
-                          with_max: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                          num_stages: int | None = None, with_max: bool = False,
+                          lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused causal attention column sums (queries at the last ``Q`` of the ``T`` key positions).
 
     Args:
@@ -137,6 +139,8 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
             128).
         num_warps, num_stages: Triton launch settings; default stages 3 for head dims up to 64, else 2.
         with_max: also return each key's maximum probability over the queries other than its own position.
+        lse: `(B, H, Q)` natural-log log-sum-exp of each query row's scaled causal logits, as flash attention
+            returns it (:func:`flash_attention_with_lse`): pass 1 is skipped.
 
     The defaults are the fastest of a sweep on an H100 at 32k tokens (docs/performance.md): 128 x 128 tiles took
     18.3 ms (D = 64, 32 heads) and 20.7 ms (D = 128, 28 heads) against 20.7 and 24.0 ms for 64 x 64.
@@ -159,7 +163,6 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     block_m = block_m or (128 if D <= 128 else 64)
     block_n = block_n or (128 if D <= 128 else 64)
     num_stages = num_stages or (3 if D <= 64 else 2)
-    lse = torch.empty(B, H, Q, dtype=torch.float32, device=query.device)
     out = torch.empty(B, H, T, dtype=torch.float32, device=query.device)
     top = torch.empty_like(out) if with_max else None
     valid = None if query_valid is None else query_valid.to(device=query.device, dtype=torch.float32).contiguous()
@@ -167,10 +170,56 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
                   num_warps=num_warps, num_stages=num_stages)
     strides = (*query.stride()[:3], *key.stride()[:3])
     scale_log2 = float(scaling) * _LOG2E
-    _row_lse_kernel[(triton.cdiv(Q, block_m), B * H)](
-        query, key, lse, *strides, H, H // H_kv, Q, T, T - Q, scale_log2, BLOCK_M=block_m, BLOCK_N=block_n, **common)
+    if lse is None:
+        lse = torch.empty(B, H, Q, dtype=torch.float32, device=query.device)
+        _row_lse_kernel[(triton.cdiv(Q, block_m), B * H)](
+            query, key, lse, *strides, H, H // H_kv, Q, T, T - Q, scale_log2, BLOCK_M=block_m, BLOCK_N=block_n,
+            **common)
+    else:  # the kernels work in base 2
+        if lse.shape != (B, H, Q):
+            raise ValueError(f"lse must have shape {(B, H, Q)}, got {tuple(lse.shape)}")
+        lse = (lse.to(device=query.device, dtype=torch.float32) * _LOG2E).contiguous()
     _column_sum_kernel[(triton.cdiv(T, block_n), B * H)](
         query, key, lse, valid if valid is not None else lse, out, top if with_max else out, *strides, H, H // H_kv,
         Q, T, T - Q, scale_log2, HAS_VALID=valid is not None, HAS_MAX=with_max, BLOCK_M=block_m, BLOCK_N=block_n,
         **common)
     return (out, top) if with_max else out
+
+
+def flash_lse_supported(query: torch.Tensor) -> bool:
+    """Whether :func:`flash_attention_with_lse` takes queries like ``query``: PyTorch's flash kernel (CUDA: float16
+    / bfloat16, head dim a multiple of 8 up to 256), or its CPU counterpart."""
+    if query.is_cuda:
+        return query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
+    return query.device.type == "cpu"
+
+
+def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Causal self-attention output and each query row's log-sum-exp from one flash-attention call, or None where
+    PyTorch's flash kernel does not take these inputs (then run sdpa and :func:`causal_attention_sums` in full).
+
+    The same kernel sdpa picks for an unpadded causal prefill computes the row log-sum-exp anyway and drops it;
+    this keeps it, so the statistics that follow need only pass 2 (``causal_attention_sums(..., lse=...)``).
+
+    Args:
+        query: `(B, H, N, D)`; key, value: `(B, H_kv, N, D)` with ``H`` a multiple of ``H_kv`` (queries and keys
+            at the same ``N`` positions). On a GPU: float16 / bfloat16 and ``D`` a multiple of 8 up to 256; on the
+            CPU (what the tests use beside Triton's interpreter): any floating dtype.
+        scaling: softmax scale.
+
+    Returns:
+        ``(output (B, H, N, D), lse (B, H, N) float32, natural log of the scaled logits' exp-sum)``, or None.
+    """
+    B, H, N, D = query.shape
+    if (not flash_lse_supported(query) or key.shape[2] != N or value.shape[:3] != key.shape[:3]
+            or value.shape[-1] != D or H % key.shape[1] or not key.dtype == value.dtype == query.dtype):
+        return None
+    if query.is_cuda:
+        found = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
+                                                                    scale=scaling)
+    else:
+        found = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True,
+                                                                            scale=scaling)
+    out, lse = found[0], found[1]
+    return out, lse[..., :N].float()  # (some flash builds round the rows of the log-sum-exp up)

@@ -9,16 +9,21 @@ stands out there more than in the sum (``examples/needle_features.py``; KVzip's 
 
 The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the causal unmasked
 case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the
-probabilities to memory. Elsewhere (a CPU), the statistics of a layer's own unpadded prefill come with that
-attention's output from the same softmax (:func:`causal_attention_with_statistics`): the attention then runs once,
-not once in sdpa and again here.
+probabilities to memory. The statistics of a layer's own unpadded prefill can also come with that attention's
+output (:func:`causal_attention_with_statistics`): on a CPU from the same softmax, so the attention runs once, not
+once in sdpa and again here; on a GPU from flash attention, whose row log-sum-exp spares the fused kernels their
+first pass.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import kernels
+
+logger = logging.getLogger(__name__)
 
 _REDUCTIONS = ("none", "mean", "sum", "max")
 BACKENDS = ("auto", "torch", "triton")
@@ -26,15 +31,23 @@ BACKENDS = ("auto", "torch", "triton")
 # with 128 against 0.27 s with 256 (a chunk's probabilities stay nearer the cache); docs/performance.md
 CHUNK_SIZE = 128
 STATISTICS = ("sum", "max")
-# let a statistics pass over a layer's own prefill also compute that attention's output (one softmax, not two)
-# where the fused Triton kernels do not run: see causal_attention_with_statistics; False restores sdpa + statistics
+# let a statistics pass over a layer's own prefill also compute that attention's output (CPU: one softmax, not
+# two; GPU: flash attention's log-sum-exp instead of the fused kernels' first pass): see
+# causal_attention_with_statistics; False restores sdpa + statistics
 FUSE_WITH_ATTENTION = True
+# whether flash attention's log-sum-exp stands in for the fused kernels' first pass: None until the first such call
+# has checked that the probabilities it gives sum to one per query row; False for the rest of the process after a
+# failed check or a flash call that raised (the fused statistics then run both passes after sdpa, as before)
+_flash_lse_ok: bool | None = None
 
 
 def fuses_with_attention(query: torch.Tensor) -> bool:
     """Whether the statistics of ``query``'s own prefill attention should come with its output
-    (:func:`causal_attention_with_statistics`): off the GPU's fused-kernel path, unless switched off."""
-    return FUSE_WITH_ATTENTION and not kernels.available(query)
+    (:func:`causal_attention_with_statistics`), unless switched off: always where the fused Triton kernels do not
+    run (one softmax), and on their path where flash attention can hand over its log-sum-exp."""
+    if not FUSE_WITH_ATTENTION:
+        return False
+    return not kernels.available(query) or (_flash_lse_ok is not False and kernels.flash_lse_supported(query))
 
 
 def check_statistics(statistics) -> tuple[str, ...]:
@@ -142,24 +155,34 @@ def causal_attention_with_statistics(
     query_valid: torch.Tensor | None = None,
     chunk_size: int = CHUNK_SIZE,
     statistics: tuple[str, ...] | list[str] = ("sum",),
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention and its per-key statistics from one pass over the logits (the PyTorch path).
+    """Causal attention and its per-key statistics, without computing the attention twice.
 
-    What an sdpa call followed by :func:`attention_sums` returns, but each query chunk's logits and softmax are
-    computed once, not once by the attention and again by the statistics: on a CPU that saves most of the
-    attention's own cost (docs/performance.md). On a GPU the fused Triton statistics beside flash attention are
-    faster; :mod:`proxykv_hf.attention` only takes this path off the GPU.
+    What an sdpa call followed by :func:`attention_sums` returns, in one of two ways:
+
+    * ``"torch"`` (the reference, and the path off the GPU): each query chunk's logits and softmax are computed
+      once, for the output and the statistics; on a CPU that saves most of the attention's own cost
+      (docs/performance.md).
+    * ``"triton"`` (where the fused kernels run, for ``Q == T``): flash attention for the output, whose row
+      log-sum-exp lets the fused statistics skip their first pass (:func:`kernels.flash_attention_with_lse`).
+      The first such call of a process checks that the probabilities sum to one per query row; if that fails, or
+      flash attention refuses the inputs, a warning says so and the process goes back to sdpa + both passes.
 
     Args:
         query: `(B, H, Q, D)` queries (after RoPE), the last ``Q`` of the ``T`` positions.
         key, value: `(B, H_kv, T, D)` with ``T >= Q``; ``H`` a multiple of ``H_kv``.
         scaling, query_valid, chunk_size, statistics: as in :func:`attention_sums` (no mask: causal).
+        backend: ``"torch"``, ``"triton"`` (raises ``ValueError`` where it does not apply) or ``"auto"``: Triton
+            where it applies, else torch.
 
     Returns:
         the attention output `(B, H, Q, D)` in ``query``'s dtype, and the statistics `(B, S * H, T)` float32
         (statistic-major, as :func:`attention_sums` with ``group_reduce="none"``).
     """
     statistics = check_statistics(statistics)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _check_heads_and_chunk(query, key, chunk_size)
     B, H, Q, D = query.shape
     T = key.shape[2]
@@ -167,8 +190,47 @@ def causal_attention_with_statistics(
         raise ValueError(f"need T >= Q and values shaped like the keys; got query {tuple(query.shape)}, key "
                          f"{tuple(key.shape)}, value {tuple(value.shape)}")
     scaling = D**-0.5 if scaling is None else scaling
+    if backend != "torch" and Q == T and kernels.available(query) and _flash_lse_ok is not False:
+        fused = _flash_statistics(query, key, value, scaling, query_valid, statistics)
+        if fused is not None:
+            return fused
+    if backend == "triton":
+        raise ValueError("the triton backend needs Q == T, a GPU with Triton (or Triton's interpreter) and inputs "
+                         "that PyTorch's flash attention takes (kernels.flash_lse_supported)")
     found, output = _torch_statistics(query, key, None, scaling, query_valid, chunk_size, statistics, value=value)
     return output, torch.cat([_reduce(found[s], "none") for s in statistics], dim=1)
+
+
+def _flash_statistics(query, key, value, scaling, query_valid, statistics):
+    """Flash attention's output and log-sum-exp, then pass 2 of the fused kernels: ``(output, statistics)``, or
+    None where flash attention does not take the inputs or its log-sum-exp failed the check (see
+    :func:`causal_attention_with_statistics`)."""
+    global _flash_lse_ok
+    try:
+        found = kernels.flash_attention_with_lse(query, key, value, scaling)
+    except (RuntimeError, NotImplementedError) as err:  # a flash build that refuses what the checks let through
+        logger.warning("flash attention with its log-sum-exp failed (%s); the attention statistics use sdpa and "
+                       "both passes of the fused kernels from now on", err)
+        _flash_lse_ok = False
+        return None
+    if found is None:
+        return None
+    output, lse = found
+    with_max = "max" in statistics
+    result = kernels.causal_attention_sums(query, key, scaling, query_valid, with_max=with_max, lse=lse)
+    total, peak = result if with_max else (result, None)
+    if _flash_lse_ok is None:  # once per process: every query row's probabilities must sum to one
+        rows = total.sum(-1)  # (B, H)
+        want = (torch.full_like(rows, query.shape[2]) if query_valid is None
+                else query_valid.to(rows).sum(-1, keepdim=True).expand_as(rows))
+        _flash_lse_ok = bool(torch.allclose(rows, want, rtol=1e-2, atol=1e-2))
+        if not _flash_lse_ok:
+            logger.warning("flash attention's log-sum-exp does not normalise the fused kernels' probabilities "
+                           "(row sums %s, expected %s); the attention statistics use sdpa and both passes of the "
+                           "fused kernels from now on", rows.flatten()[:4].tolist(), want.flatten()[:4].tolist())
+            return None
+    found = {"sum": total, "max": peak}
+    return output, torch.cat([found[s] for s in statistics], dim=1)
 
 
 def _check_heads_and_chunk(query: torch.Tensor, key: torch.Tensor, chunk_size: int) -> None:

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from proxykv_hf import kernels
-from proxykv_hf.scoring import attention_sums
+from proxykv_hf import kernels, scoring
+from proxykv_hf.scoring import attention_sums, causal_attention_with_statistics
 
 CASES = [  # B, H, H_kv, Q, T, D
     (1, 4, 2, 70, 70, 32),
@@ -35,6 +35,31 @@ def _compare(device, dtype, atol):
         assert both_ref[:, :H].amax() > 0.05  # the maxima are not all zero
 
 
+def _compare_flash(device, dtype, atol):
+    """Flash attention's log-sum-exp in place of pass 1: output and statistics equal the PyTorch path's."""
+    torch.manual_seed(0)
+    for B, H, H_kv, _, N, D in CASES:
+        q, k, v = (torch.randn(B, h, N, D, device=device).to(dtype) for h in (H, H_kv, H_kv))
+        valid = torch.rand(B, N, device=device) > 0.2
+        found = kernels.flash_attention_with_lse(q, k, v, D**-0.5)
+        assert found is not None
+        lse = found[1]
+        for statistics in (("sum",), ("max", "sum")):
+            ref_out, ref = causal_attention_with_statistics(q, k, v, D**-0.5, query_valid=valid,
+                                                            statistics=statistics, backend="torch")
+            out, got = causal_attention_with_statistics(q, k, v, D**-0.5, query_valid=valid, statistics=statistics,
+                                                        backend="triton")
+            half = dtype != torch.float32  # outputs in 16 bits: a few units of their last place
+            torch.testing.assert_close(out, ref_out, atol=2e-2 if half else atol, rtol=2e-2 if half else 1e-3)
+            torch.testing.assert_close(got, ref, atol=atol, rtol=1e-3)
+            assert scoring._flash_lse_ok is True  # the once-per-process check passed
+        two_pass = kernels.causal_attention_sums(q, k, D**-0.5, valid, block_m=16, block_n=32)
+        one_pass = kernels.causal_attention_sums(q, k, D**-0.5, valid, block_m=16, block_n=32, lse=lse)
+        torch.testing.assert_close(one_pass, two_pass, atol=atol, rtol=1e-3)
+        with pytest.raises(ValueError, match="lse must have shape"):
+            kernels.causal_attention_sums(q, k, D**-0.5, lse=lse[:, :, 1:])
+
+
 def test_backend_is_checked():
     q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="backend"):
@@ -54,6 +79,7 @@ def test_interpreter_matches_reference():
     script = textwrap.dedent("""
         import torch, tests.test_kernels as t
         t._compare("cpu", torch.float32, 1e-4)
+        t._compare_flash("cpu", torch.float32, 1e-4)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -68,6 +94,15 @@ def test_interpreter_matches_reference():
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-3)])
 def test_gpu_matches_reference(dtype, atol):
     _compare("cuda", dtype, atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,atol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-3)])
+def test_gpu_flash_lse_matches_reference(dtype, atol, monkeypatch):
+    """CUDA's flash attention hands its log-sum-exp to pass 2 (GQA included), and the check accepts it."""
+    monkeypatch.setattr(scoring, "_flash_lse_ok", None)
+    _compare_flash("cuda", dtype, atol)
 
 
 @pytest.mark.gpu

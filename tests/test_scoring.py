@@ -164,14 +164,101 @@ def test_attention_with_statistics_bad_arguments():
         fused(q, k, k, chunk_size=0)
 
 
-def test_fusion_is_off_where_the_fused_kernels_run(monkeypatch):
+def test_where_statistics_come_with_the_attention(monkeypatch):
+    """Off the fused kernels' path always (one softmax); on it where flash attention can hand over its log-sum-exp
+    and no earlier check has failed; never with the switch off."""
     from proxykv_hf import scoring
 
     q = torch.randn(1, 2, 4, 8)
-    assert scoring.fuses_with_attention(q) == (not scoring.kernels.available(q))
+    monkeypatch.setattr(scoring, "_flash_lse_ok", None)
+    monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
+    assert scoring.fuses_with_attention(q)
     monkeypatch.setattr(scoring.kernels, "available", lambda query: True)
+    assert scoring.fuses_with_attention(q)  # CPU tensors: PyTorch's CPU flash attention gives the log-sum-exp
+    monkeypatch.setattr(scoring.kernels, "flash_lse_supported", lambda query: False)
+    assert not scoring.fuses_with_attention(q)  # e.g. float32 on CUDA: sdpa, then both fused passes
+    monkeypatch.setattr(scoring.kernels, "flash_lse_supported", lambda query: True)
+    monkeypatch.setattr(scoring, "_flash_lse_ok", False)
     assert not scoring.fuses_with_attention(q)
     monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
     assert scoring.fuses_with_attention(q)
     monkeypatch.setattr(scoring, "FUSE_WITH_ATTENTION", False)
     assert not scoring.fuses_with_attention(q)
+
+
+def test_flash_attention_with_lse_on_cpu():
+    """PyTorch's flash attention returns sdpa's output and each row's natural-log log-sum-exp (GQA included)."""
+    from proxykv_hf import kernels
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 33, 16), torch.randn(2, 2, 33, 16), torch.randn(2, 2, 33, 16)
+    out, lse = kernels.flash_attention_with_lse(q, k, v, 0.3)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
+    logits = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) * 0.3
+    logits = logits.masked_fill(torch.ones(33, 33, dtype=torch.bool).triu(1), float("-inf"))
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+    assert kernels.flash_lse_supported(q)
+    assert kernels.flash_attention_with_lse(q, k[:, :, 1:], v[:, :, 1:], 0.3) is None  # keys != queries
+    assert kernels.flash_attention_with_lse(q, k, v.double(), 0.3) is None  # mixed dtypes
+    assert kernels.flash_attention_with_lse(q, k, v[..., :8], 0.3) is None  # value width != query width
+
+
+def _column_pass(query, key, scaling, query_valid=None, *, with_max=False, lse=None, **_):
+    """A PyTorch stand-in for the fused kernels' pass 2 (Triton is not installed everywhere): the probabilities
+    ``exp(logit - lse)`` summed over the queries, and their maximum over the other queries."""
+    B, H, Q, D = query.shape
+    k = key.repeat_interleave(H // key.shape[1], dim=1)
+    logits = (query @ k.transpose(-1, -2)).float() * scaling
+    logits = logits.masked_fill(torch.ones(Q, Q, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(logits - lse[..., None])
+    if query_valid is not None:
+        p = p * query_valid[:, None, :, None]
+    other = p.masked_fill(torch.eye(Q, dtype=torch.bool), 0.0)
+    return (p.sum(2), other.amax(2)) if with_max else p.sum(2)
+
+
+@pytest.mark.parametrize("fault", [None, "wrong lse", "raises"])
+def test_flash_statistics_and_their_check(monkeypatch, caplog, fault):
+    """Where the fused kernels run, the statistics take flash attention's log-sum-exp; the first call checks it
+    (probabilities summing to one per row), and a log-sum-exp that fails the check, or a flash call that raises,
+    sends the process back to sdpa + both passes with a warning, never to wrong statistics."""
+    from proxykv_hf import kernels, scoring
+
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    valid = torch.rand(1, 20) > 0.2
+    want_out, want = scoring.causal_attention_with_statistics(q, k, v, 0.4, query_valid=valid,
+                                                              statistics=("sum", "max"), backend="torch")
+    real_flash = kernels.flash_attention_with_lse
+    calls = []
+
+    def flash(*args):
+        calls.append(1)
+        if fault == "raises":
+            raise RuntimeError("no flash kernel for these inputs")
+        out, lse = real_flash(*args)
+        return out, lse + (0.5 if fault == "wrong lse" else 0.0)
+
+    monkeypatch.setattr(scoring, "_flash_lse_ok", None)
+    monkeypatch.setattr(kernels, "available", lambda query: True)
+    monkeypatch.setattr(kernels, "flash_attention_with_lse", flash)
+    monkeypatch.setattr(kernels, "causal_attention_sums", _column_pass)
+    with caplog.at_level("WARNING", logger="proxykv_hf.scoring"):
+        out, got = scoring.causal_attention_with_statistics(q, k, v, 0.4, query_valid=valid,
+                                                            statistics=("sum", "max"))
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    assert scoring._flash_lse_ok is (fault is None)
+    assert scoring.fuses_with_attention(q) is (fault is None)
+    assert ("the attention statistics use sdpa" in caplog.text) is (fault is not None)
+    if fault is None:
+        _, again = scoring.causal_attention_with_statistics(q, k, v, 0.4, query_valid=valid, statistics=("max",),
+                                                            backend="triton")
+        torch.testing.assert_close(again, want[:, 4:], rtol=1e-5, atol=1e-5)
+    else:
+        with pytest.raises(ValueError, match="triton backend needs"):
+            scoring.causal_attention_with_statistics(q, k, v, 0.4, backend="triton")
+        assert calls == [1]  # not tried again in this process
