@@ -69,24 +69,39 @@ def test_backend_is_checked():
         attention_sums(q, k, mask, backend="triton")  # an explicit mask is never fused
 
 
-@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
-def test_interpreter_matches_reference():
-    """Triton's CPU interpreter runs the same kernel code (it needs NumPy < 2.4: newer NumPy breaks its loops)."""
+def _under_interpreter(args: list[str]) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` from the repository root with Triton's CPU interpreter on (it needs NumPy < 2.4: newer
+    NumPy breaks its loops)."""
     import numpy
 
     if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
         pytest.skip("Triton's interpreter fails with NumPy >= 2.4")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, *args], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
+def test_interpreter_matches_reference():
+    """Triton's CPU interpreter runs the same kernel code."""
     script = textwrap.dedent("""
         import torch, tests.test_kernels as t
         t._compare("cpu", torch.float32, 1e-4)
         t._compare_flash("cpu", torch.float32, 1e-4)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
+    done = _under_interpreter(["-c", script])
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
+def test_interpreter_end_to_end():
+    """With the fused kernels on (the GPU's path, here through the interpreter), ProxyKV with a self and a
+    layer-subset proxy keeps the same sets, generates the same tokens and feeds the mapper the same features
+    whether the statistics take sdpa + both passes or flash attention's log-sum-exp + pass 2."""
+    done = _under_interpreter(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_proxykv.py", "-k",
+                               "fused_with_the_attention"])
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.mark.gpu
