@@ -155,13 +155,20 @@ def test_build_data_adds_the_max_statistic_without_the_oracle(tmp_path, monkeypa
     assert saved["mapper"]["num_statistics"] == 1 and saved["proxy"]["statistics"] == ["sum"]
 
 
-def test_eval_adds_methods_later_with_fidelity(tmp_path):
-    """A second run with a new method (KVzip not among them) reuses the stored KVzip scores for its fidelity."""
+def test_eval_adds_methods_later_with_fidelity(tmp_path, monkeypatch):
+    """A second run with a new method (KVzip not among them) reuses the stored KVzip scores for its fidelity,
+    without building a KVzip scorer."""
+    from proxykv_hf.scorers.kvzip import KVzipScorer
+
     out = tmp_path / "eval"
     common = ["eval", "--tiny", "--keep-ratios", "0.3", "--tasks", "niah_single_1", "--context-lengths", "300",
               "--n-samples", "1", "--max-new-tokens", "2", "--out-dir", str(out), "--kvzip-chunk", "128"]
     main(common + ["--methods", "full", "kvzip"])
+    built = []
+    real_init = KVzipScorer.__init__
+    monkeypatch.setattr(KVzipScorer, "__init__", lambda self, *a, **k: built.append(1) or real_init(self, *a, **k))
     main(common + ["--methods", "snapkv"])
+    assert not built
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     snap = [r for r in records if r["method"] == "snapkv"]
     assert len(snap) == 1 and 0 <= snap[0]["topk_recall"] <= 1 and 0 < snap[0]["mass_recovery"] <= 1

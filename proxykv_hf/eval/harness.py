@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..cache import ProxyKVCache
 from ..pipeline import answer_from_cache
+from ..scorers.kvzip import N_SINK as KVZIP_N_SINK
 from ..selection import select_topk
 from . import tasks as task_lib
 from .methods import METHODS, MethodOptions, build_method
@@ -141,7 +142,7 @@ class Harness:
         self.results_path = self.out / "results.jsonl"
         self.scorers = {m: build_method(m, model, self.options) for m in config.methods}
         # the sinks of the stored KVzip scores, also when a later run adds methods without KVzip itself
-        self.oracle_sink = (self.scorers.get("kvzip") or build_method("kvzip", model, self.options)).n_sink
+        self.oracle_sink = self.scorers["kvzip"].n_sink if "kvzip" in self.scorers else KVZIP_N_SINK
 
     def _done(self) -> set[tuple]:
         done = set()

@@ -20,7 +20,7 @@ import torch
 
 from ..proxy import every_kth_layer, layer_subset
 from .base import LayerInputs, Prompt, Scorer
-from .kvzip import full_attention_layers, kvzip_scores
+from .kvzip import N_SINK, full_attention_layers, kvzip_scores
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -44,7 +44,7 @@ class KVzipIAMScorer(Scorer):
     needs_input_ids = True
 
     def __init__(self, tokenizer=None, *, proxy=None, layers: list[int] | None = None, chunk_size: int = 2048,
-                 n_sink: int = 4):
+                 n_sink: int = N_SINK):
         self.tokenizer, self.proxy, self.layers = tokenizer, proxy, layers
         self.chunk_size, self.n_sink = chunk_size, n_sink
         self.layer_map: list[int] | None = None  # compacted-layer index -> proxy layer index

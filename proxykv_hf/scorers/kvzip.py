@@ -61,6 +61,9 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
+N_SINK = 4  # first real tokens always kept, as kvpress's KVzipPress
+
+
 class KVzipScorer(Scorer):
     """Context-reconstruction scores of KVzip (arXiv:2505.23416), faithful to kvpress's ``KVzipPress``.
 
@@ -86,7 +89,7 @@ class KVzipScorer(Scorer):
     needs_all_layers = True
     needs_input_ids = True
 
-    def __init__(self, tokenizer=None, *, chunk_size: int = 2048, prev_postfix_size: int = 8, n_sink: int = 4,
+    def __init__(self, tokenizer=None, *, chunk_size: int = 2048, prev_postfix_size: int = 8, n_sink: int = N_SINK,
                  use_chat_template: bool = True, dtype: torch.dtype | None = None):
         if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "apply_chat_template")):
             raise ValueError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}")
