@@ -133,8 +133,11 @@ def attention_sums(
     B, H, Q, D = query.shape
     _, H_kv, T, _ = key.shape
     G = H // H_kv
+    if attention_mask is None and T < Q:
+        raise ValueError(f"without a mask the queries are the last Q of the T key positions: need T >= Q, got Q={Q}, "
+                         f"T={T}")
     scaling = D**-0.5 if scaling is None else scaling
-    fused = attention_mask is None and T >= Q and kernels.available(query)
+    fused = attention_mask is None and kernels.available(query)
     if backend == "triton" and not fused:
         raise ValueError("the triton backend needs attention_mask=None (causal), T >= Q, and a GPU with Triton")
     if fused and backend != "torch":

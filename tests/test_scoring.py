@@ -96,6 +96,23 @@ def test_bad_arguments():
         attention_sums(q, k)
     with pytest.raises(ValueError, match="group_reduce"):
         attention_sums(torch.randn(1, 2, 4, 2), k, group_reduce="median")
+    with pytest.raises(ValueError, match="need T >= Q"):
+        attention_sums(torch.randn(1, 2, 6, 2), k)  # no mask: causal, queries at the last Q positions
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_more_queries_than_keys_under_an_explicit_mask(chunk):
+    """With an explicit mask, T < Q is allowed: query q sits at position q + T - Q, so the first Q - T queries own
+    no key, and the maximum leaves out only the keys that are some query's own."""
+    torch.manual_seed(5)
+    B, H, H_kv, Q, T, D = 1, 2, 1, 6, 4, 8
+    query, key = torch.randn(B, H, Q, D), torch.randn(B, H_kv, T, D)
+    mask = torch.ones(B, 1, Q, T, dtype=torch.bool)
+    p = torch.softmax(query @ key.repeat_interleave(H, dim=1).transpose(-1, -2) * 0.5, -1)  # (B, H, Q, T)
+    own = torch.arange(T)[None, :] == (torch.arange(Q) + T - Q)[:, None]  # (Q, T): rows 0, 1 own nothing
+    got = attention_sums(query, key, mask, 0.5, chunk_size=chunk, statistics=("sum", "max"))
+    torch.testing.assert_close(got, torch.cat([p.sum(2), p.masked_fill(own, 0.0).amax(2)], dim=1),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_a_mask_that_shows_the_future_is_honoured():
