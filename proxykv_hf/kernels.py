@@ -59,6 +59,21 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _row_step(m_i, l_i, q, K, k_base, n0, offs_m, offs_d, d_ok, skn, T, OFFSET, scale_log2,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+        """One key tile of pass 1: the online max / sum of the rows' logits; ``MASKED`` hides the keys a row does
+        not see (only the tiles on the causal diagonal need it)."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _tile(K, k_base, offs_n, T, skn, offs_d, d_ok)
+        s = _logits(q, k, IEEE) * scale_log2
+        if MASKED:
+            seen = (offs_n[None, :] < T) & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        return m_new, l_i
+
+    @triton.jit
     def _row_lse_kernel(Q, K, LSE, sqb, sqh, sqm, skb, skh, skn, H, G, Q_LEN, T, OFFSET, scale_log2,
                         D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         IEEE: tl.constexpr):
@@ -67,24 +82,49 @@ if triton is not None:
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m0 = pid_m * BLOCK_M
+        offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
         q = _tile(Q, b * sqb + h * sqh, offs_m, Q_LEN, sqm, offs_d, d_ok)
+        k_base = b * skb + (h // G) * skh
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        end = tl.minimum(T, (pid_m + 1) * BLOCK_M + OFFSET)  # keys after the tile's last query are never seen
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            k = _tile(K, b * skb + (h // G) * skh, offs_n, T, skn, offs_d, d_ok)
-            s = _logits(q, k, IEEE) * scale_log2
-            seen = (offs_n[None, :] < T) & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-            m_i = m_new
+        end = tl.minimum(T, m0 + BLOCK_M + OFFSET)  # keys after the tile's last query are never seen
+        clean = tl.minimum((m0 + OFFSET + 1) // BLOCK_N * BLOCK_N, end)  # tiles every row of this one sees whole
+        for n0 in range(0, clean, BLOCK_N):
+            m_i, l_i = _row_step(m_i, l_i, q, K, k_base, n0, offs_m, offs_d, d_ok, skn, T, OFFSET, scale_log2,
+                                 BLOCK_N=BLOCK_N, MASKED=False, IEEE=IEEE)
+        for n0 in range(clean, end, BLOCK_N):
+            m_i, l_i = _row_step(m_i, l_i, q, K, k_base, n0, offs_m, offs_d, d_ok, skn, T, OFFSET, scale_log2,
+                                 BLOCK_N=BLOCK_N, MASKED=True, IEEE=IEEE)
         lse = m_i + tl.log2(l_i)
         tl.store(LSE + bh * Q_LEN + offs_m, lse, mask=offs_m < Q_LEN)
+
+    @triton.jit
+    def _column_step(acc, top, k, Q, q_base, LSE, VALID, bh, b, m0, offs_n, offs_d, d_ok, sqm, Q_LEN, T, OFFSET,
+                     scale_log2, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr,
+                     HAS_MAX: tl.constexpr, IEEE: tl.constexpr):
+        """One query tile of pass 2. Rows past ``Q_LEN`` read a log-sum-exp of +inf, so their probabilities are 0;
+        ``MASKED`` hides the keys a row does not see and, for the maximum, the row's own key (only the tiles on
+        the causal diagonal need it)."""
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Q_LEN
+        q = _tile(Q, q_base, offs_m, Q_LEN, sqm, offs_d, d_ok)
+        lse = tl.load(LSE + bh * Q_LEN + offs_m, mask=m_ok, other=float("inf"))
+        p = tl.exp2(_logits(q, k, IEEE) * scale_log2 - lse[:, None])
+        if MASKED:
+            seen = (offs_n[None, :] < T) & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
+            p = tl.where(seen, p, 0.0)
+        if HAS_VALID:
+            w = tl.load(VALID + b * Q_LEN + offs_m, mask=m_ok, other=0.0)
+            p = p * w[:, None]
+        acc += tl.sum(p, 0)
+        if HAS_MAX:
+            if MASKED:
+                p = tl.where(offs_n[None, :] < offs_m[:, None] + OFFSET, p, 0.0)  # strictly before the row's key
+            top = tl.maximum(top, tl.max(p, 0))
+        return acc, top
 
     @triton.jit
     def _column_sum_kernel(Q, K, LSE, VALID, OUT, OUT_MAX, sqb, sqh, sqm, skb, skh, skn, H, G, Q_LEN, T, OFFSET,
@@ -96,28 +136,25 @@ if triton is not None:
         bh = tl.program_id(1)
         b = bh // H
         h = bh % H
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D_PAD)
         d_ok = offs_d < D
         k = _tile(K, b * skb + (h // G) * skh, offs_n, T, skn, offs_d, d_ok)
+        q_base = b * sqb + h * sqh
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         top = tl.zeros([BLOCK_N], dtype=tl.float32)
-        first = tl.maximum(pid_n * BLOCK_N - OFFSET, 0)  # the first query that can see this tile
-        for m0 in range((first // BLOCK_M) * BLOCK_M, Q_LEN, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < Q_LEN
-            q = _tile(Q, b * sqb + h * sqh, offs_m, Q_LEN, sqm, offs_d, d_ok)
-            lse = tl.load(LSE + bh * Q_LEN + offs_m, mask=m_ok, other=float("inf"))
-            p = tl.exp2(_logits(q, k, IEEE) * scale_log2 - lse[:, None])
-            seen = m_ok[:, None] & (offs_n[None, :] < T) & (offs_n[None, :] <= offs_m[:, None] + OFFSET)
-            p = tl.where(seen, p, 0.0)
-            if HAS_VALID:
-                w = tl.load(VALID + b * Q_LEN + offs_m, mask=m_ok, other=0.0)
-                p = p * w[:, None]
-            acc += tl.sum(p, 0)
-            if HAS_MAX:
-                other = offs_n[None, :] < offs_m[:, None] + OFFSET  # strictly before the query's own key
-                top = tl.maximum(top, tl.max(tl.where(other, p, 0.0), 0))
+        first = tl.maximum(n0 - OFFSET, 0)  # the first query that can see this tile
+        # from query tile ``clean`` on, every row sees the whole key tile and owns none of its keys: no masks
+        clean = tl.minimum((tl.maximum(n0 + BLOCK_N - OFFSET, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, Q_LEN)
+        for m0 in range((first // BLOCK_M) * BLOCK_M, clean, BLOCK_M):
+            acc, top = _column_step(acc, top, k, Q, q_base, LSE, VALID, bh, b, m0, offs_n, offs_d, d_ok, sqm, Q_LEN,
+                                    T, OFFSET, scale_log2, BLOCK_M=BLOCK_M, MASKED=True, HAS_VALID=HAS_VALID,
+                                    HAS_MAX=HAS_MAX, IEEE=IEEE)
+        for m0 in range(clean, Q_LEN, BLOCK_M):
+            acc, top = _column_step(acc, top, k, Q, q_base, LSE, VALID, bh, b, m0, offs_n, offs_d, d_ok, sqm, Q_LEN,
+                                    T, OFFSET, scale_log2, BLOCK_M=BLOCK_M, MASKED=False, HAS_VALID=HAS_VALID,
+                                    HAS_MAX=HAS_MAX, IEEE=IEEE)
         tl.store(OUT + bh * T + offs_n, acc, mask=offs_n < T)
         if HAS_MAX:
             tl.store(OUT_MAX + bh * T + offs_n, top, mask=offs_n < T)

@@ -15,7 +15,11 @@ CASES = [  # B, H, H_kv, Q, T, D
     (1, 4, 2, 70, 70, 32),
     (2, 4, 1, 37, 90, 24),  # queries at the last Q positions, head dim padded to 32
     (1, 2, 2, 130, 130, 64),
+    (1, 2, 1, 20, 100, 16),  # few queries at the end of a long prompt: most tiles need no mask
 ]
+# query x key tiles: the two passes split each loop into the tiles on the causal diagonal (masked) and those that
+# every row sees whole (unmasked); unequal tiles in both orders move that boundary
+BLOCKS = [(16, 32), (32, 16), (16, 16)]
 
 
 def _compare(device, dtype, atol):
@@ -25,8 +29,12 @@ def _compare(device, dtype, atol):
         k = torch.randn(B, H_kv, T, D, device=device).to(dtype)
         valid = torch.rand(B, Q, device=device) > 0.2
         ref = attention_sums(q, k, None, D**-0.5, query_valid=valid, backend="torch")
-        got = kernels.causal_attention_sums(q, k, D**-0.5, valid, block_m=16, block_n=32)
-        torch.testing.assert_close(got, ref, atol=atol, rtol=1e-3)
+        peak = attention_sums(q, k, None, D**-0.5, query_valid=valid, statistics=("max",), backend="torch")
+        for block_m, block_n in BLOCKS:
+            got, top = kernels.causal_attention_sums(q, k, D**-0.5, valid, block_m=block_m, block_n=block_n,
+                                                     with_max=True)
+            torch.testing.assert_close(got, ref, atol=atol, rtol=1e-3)
+            torch.testing.assert_close(top, peak, atol=atol, rtol=1e-3)
         grouped = attention_sums(q, k, None, D**-0.5, query_valid=valid, group_reduce="max", backend="triton")
         torch.testing.assert_close(grouped, ref.view(B, H_kv, H // H_kv, T).amax(2), atol=atol, rtol=1e-3)
         both_ref = attention_sums(q, k, None, D**-0.5, query_valid=valid, statistics=("max", "sum"), backend="torch")
@@ -131,3 +139,32 @@ def test_gpu_long_context_bf16():
     got = attention_sums(q, k)  # auto: the fused path on CUDA
     torch.testing.assert_close(got, ref, atol=5e-3, rtol=2e-3)
     assert abs(got.sum().item() - 8 * 4096) < 1.0  # each query's probabilities sum to one
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype,head_dim", [("bf16", 64), ("bf16", 128), ("fp32", 64)])
+def test_kernels_compile_for_an_h100(dtype, head_dim):
+    """Both passes compile to an sm_90 binary (Triton's ahead-of-time compile, no GPU needed): what the
+    interpreter cannot show, since it never lowers the kernels."""
+    import shutil
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+        pytest.skip("no ptxas")
+    ints = dict.fromkeys(["sqb", "sqh", "sqm", "skb", "skh", "skn", "H", "G", "Q_LEN", "T", "OFFSET"], "i32")
+    shape = dict(D=head_dim, D_PAD=head_dim, BLOCK_M=128, BLOCK_N=128, IEEE=dtype == "fp32")
+    rows = dict(Q=f"*{dtype}", K=f"*{dtype}", LSE="*fp32", **ints, scale_log2="fp32")
+    columns = dict(Q=f"*{dtype}", K=f"*{dtype}", LSE="*fp32", VALID="*fp32", OUT="*fp32", OUT_MAX="*fp32", **ints,
+                   scale_log2="fp32")
+    builds = [(kernels._row_lse_kernel, rows, shape)]
+    builds += [(kernels._column_sum_kernel, columns, dict(shape, HAS_VALID=valid, HAS_MAX=peak))
+               for valid in (False, True) for peak in (False, True)]
+    for fn, signature, constexprs in builds:
+        signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+        done = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+        assert done.asm["cubin"]  # lowered through PTX to an sm_90 binary
