@@ -1,6 +1,8 @@
 """The proxykv command on tiny models: every subcommand runs end to end in seconds."""
 
+import argparse
 import json
+import subprocess
 
 import pytest
 
@@ -65,6 +67,38 @@ def test_bench_tiny(tmp_path, capsys):
     prox = [r for r in rows if r["method"] == "proxykv"][0]
     assert {"proxy_s", "mapper_s", "compact_s", "overlap_fraction"} <= set(prox["breakdown"])
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.md").exists()
+
+
+def test_bench_fresh_memory(tmp_path, capsys, monkeypatch):
+    """--fresh-memory: each point's peak prefill memory comes from a new process set up like this call (one per
+    method and length), and the rows say how their peak was measured."""
+    from proxykv_hf.bench import cli as bench_cli
+
+    calls = []
+    real = bench_cli.subprocess.run
+    monkeypatch.setattr(bench_cli.subprocess, "run", lambda args, **k: calls.append(args) or real(args, **k))
+    main(["bench", "--tiny", "--methods", "full", "proxykv", "--context-lengths", "96", "--repeats", "1",
+          "--warmup", "0", "--decode-tokens", "0", "--fresh-memory"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["peak_measure"] for r in rows] == ["fresh process, sampled RSS"] * 2
+    assert all(r["peak_prefill_bytes"] >= 0 for r in rows)
+    specs = [json.loads(args[-1]) for args in calls]
+    assert [(s["methods"], s["context_lengths"], s["tiny"], s["fresh_memory"]) for s in specs] == [
+        (["full"], [96], True, False), (["proxykv"], [96], True, False)]
+    main(["bench", "--tiny", "--methods", "full", "--context-lengths", "96", "--repeats", "1", "--warmup", "0",
+          "--decode-tokens", "0"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert rows[0]["peak_measure"] == "this process, sampled RSS" and len(calls) == 2
+
+
+def test_fresh_memory_child_failure_is_reported(monkeypatch):
+    from proxykv_hf.bench import cli as bench_cli
+
+    probe = bench_cli.fresh_memory_probe(argparse.Namespace(tiny=True, methods=["full"], model="not/a-model"))
+    monkeypatch.setattr(bench_cli.subprocess, "run", lambda args, **k: subprocess.CompletedProcess(
+        args, 1, "", "Traceback ...\nValueError: boom"))
+    with pytest.raises(RuntimeError, match="(?s)fresh process measuring snapkv at 64 tokens failed:.*boom"):
+        probe("snapkv", 64)
 
 
 @pytest.mark.parametrize("statistics", [("sum",), ("sum", "max")])

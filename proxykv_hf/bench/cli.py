@@ -3,6 +3,11 @@ and report."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -11,6 +16,8 @@ from tqdm.auto import tqdm
 
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
+
+logger = logging.getLogger(__name__)
 
 
 def _scorers(ns, model, tok, tmp: str):
@@ -67,14 +74,65 @@ def _shape_setup(ns, tmp: str):
     return target, tiny_tokenizer()  # ids only need to be in range; the tiny byte tokenizer serves KVzip's prompts
 
 
+def fresh_memory_probe(ns):
+    """``(method, context) -> peak prefill bytes``, each measured by a new Python process that sets up what this
+    ``proxykv bench`` call does (same model, mapper, keep ratio, dtype, device) and runs :meth:`Bench.peak_once`."""
+    options = {k: v for k, v in vars(ns).items() if not k.startswith("_") and _is_json(v)}
+
+    def probe(method: str, n: int) -> int:
+        spec = dict(options, methods=[method], context_lengths=[n], out=None, fresh_memory=False)
+        done = subprocess.run([sys.executable, "-m", "proxykv_hf.bench.cli", json.dumps(spec)], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the fresh process measuring {method} at {n} tokens failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])["peak_prefill_bytes"]
+
+    return probe
+
+
+def _is_json(value) -> bool:
+    try:
+        json.dumps(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _setup(ns, tmp: str):
+    from ..cli import load
+
+    model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
+    scorers, runner = _scorers(ns, model, tok, tmp)
+    return model, scorers, runner
+
+
+def _measure_peak(spec: dict) -> int:
+    """The child of :func:`fresh_memory_probe`: print one JSON line with the peak prefill bytes of one point."""
+    from ..cli import from_args
+
+    ns = argparse.Namespace(**spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, scorers, _ = _setup(ns, tmp)
+        method, n = ns.methods[0], ns.context_lengths[0]
+        peak = Bench(model, scorers, from_args(BenchConfig, ns)).peak_once(method, n)
+    print(json.dumps({"method": method, "context": n, "peak_prefill_bytes": peak}))
+    return 0
+
+
 def run_bench(ns) -> int:
-    from ..cli import from_args, load
+    from ..cli import from_args
 
     cfg = from_args(BenchConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
-        model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
-        scorers, runner = _scorers(ns, model, tok, tmp)
-        bench = Bench(model, scorers, cfg, proxy_runner=runner)
+        model, scorers, runner = _setup(ns, tmp)
+        probe = None
+        if cfg.fresh_memory:
+            if next(model.parameters()).device.type == "cpu":
+                probe = fresh_memory_probe(ns)
+            else:
+                logger.warning("--fresh-memory applies to the CPU only: on %s the allocator's own peak is used",
+                               next(model.parameters()).device)
+        bench = Bench(model, scorers, cfg, proxy_runner=runner, memory_probe=probe)
         with tqdm(total=len(cfg.context_lengths) * len(cfg.methods), desc="bench", unit="method") as bar:
             rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
                                                                    ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
@@ -89,3 +147,7 @@ def run_bench(ns) -> int:
         (out / "bench.json").write_text(summary_json(rows, cfg, env) + "\n")
     print(summary_json(rows, cfg, env))
     return 0
+
+
+if __name__ == "__main__":  # the fresh process of ``--fresh-memory``
+    sys.exit(_measure_peak(json.loads(sys.argv[1])))

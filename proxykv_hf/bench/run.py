@@ -4,8 +4,9 @@
 TTFT is prefill + scoring + compaction (one forward over the prompt with the method's cache), the median of
 ``repeats`` runs after a warm-up. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
 the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
-(``/proc/self/statm``) above the level at entry, after ``malloc_trim`` (still approximate: the allocator may
-reuse memory it kept). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction; on CUDA
+(``/proc/self/statm``) above the level at entry, after ``malloc_trim``. In one process that CPU figure depends on
+what earlier prefills left in the allocator's heap; ``fresh_memory`` measures each point in a new process instead
+(``proxykv bench --fresh-memory``; each row's ``peak_measure`` says which). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction; on CUDA
 the reported figure replays each step as a CUDA graph over static buffers (``graph.py``: eager decoding is
 host-bound there, whatever the cache size), and the eager figure is kept beside it.
 
@@ -49,6 +50,9 @@ class BenchConfig:
         decode_graphs: on CUDA, also time decoding as replayed CUDA graphs (the reported decode figure; the
             eager figure is kept as ``decode_eager_ms_per_token``).
         seed: for the random prompts (timing does not depend on the token values).
+        fresh_memory: on the CPU, measure each point's peak prefill memory in a fresh process (after a short
+            warm-up prefill of the same method there), so that no method inherits another's heap; CUDA's allocator
+            peak needs no such care.
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "kvzip", "proxykv"])
@@ -59,6 +63,7 @@ class BenchConfig:
     decode_tokens: int = 128
     decode_graphs: bool = True
     seed: int = 0
+    fresh_memory: bool = False
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in BENCH_METHODS]
@@ -145,10 +150,13 @@ def timed(fn, device: torch.device) -> tuple[object, float]:
 class Bench:
     """Runs a :class:`BenchConfig` for one target (and the scorers built for it)."""
 
-    def __init__(self, model, scorers: dict, config: BenchConfig, *, proxy_runner=None):
+    def __init__(self, model, scorers: dict, config: BenchConfig, *, proxy_runner=None, memory_probe=None):
+        """``memory_probe(method, context) -> bytes``: where given, the peak prefill memory of each point comes from
+        it (e.g. a fresh process, :func:`proxykv_hf.bench.cli.fresh_memory_probe`) instead of this process."""
         self.model, self.scorers, self.config = model, scorers, config
         self.device = next(model.parameters()).device
         self.proxy_runner = proxy_runner  # the model the ProxyKV features come from, to time its breakdown
+        self.memory_probe = memory_probe
         self.vocab = model.config.vocab_size
         if proxy_runner is not None:  # ids every model reads (Qwen2.5-1.5B's table is 128 rows shorter than 7B's)
             self.vocab = min(self.vocab, getattr(getattr(proxy_runner, "config", None), "vocab_size", self.vocab))
@@ -167,6 +175,17 @@ class Bench:
         cache = self._cache(method).prepare(self.model, ids)
         self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
+
+    @torch.no_grad()
+    def peak_once(self, method: str, n: int) -> int:
+        """Peak memory (bytes) of one ``n``-token prefill with ``method``, after a short prefill of the same method
+        (it loads lazily mapped weights and the method's own first-call allocations): what a fresh process
+        reports for ``fresh_memory``."""
+        self._prefill(method, self._prompt(min(n, 64)))
+        ids = self._prompt(n)
+        with PeakMemory(self.device) as mem:
+            self._prefill(method, ids)
+        return mem.peak
 
     @torch.no_grad()
     def _decode(self, cache: ProxyKVCache) -> dict:
@@ -235,12 +254,17 @@ class Bench:
                     cache = None  # free the last run's cache before the next prefill (16 GiB for an 8B at 128k)
                     cache, t = timed(lambda: self._prefill(method, ids), self.device)
                     times.append(t)
-                cache = None
-                with PeakMemory(self.device) as mem:
-                    cache = self._prefill(method, ids)
+                if self.memory_probe is not None:  # the last timed run's cache serves the rest
+                    peak, measure = self.memory_probe(method, n), "fresh process, sampled RSS"
+                else:
+                    cache = None
+                    with PeakMemory(self.device) as mem:
+                        cache = self._prefill(method, ids)
+                    peak = mem.peak
+                    measure = "CUDA allocator" if self.device.type == "cuda" else "this process, sampled RSS"
                 row = {"context": n, "method": method, "keep_ratio": 1.0 if method == "full" else cfg.keep_ratio,
-                       "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": mem.peak,
-                       "kv_bytes": cache.nbytes()}
+                       "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": peak,
+                       "peak_measure": measure, "kv_bytes": cache.nbytes()}
                 if cfg.decode_tokens:
                     row.update(self._decode(cache))
                 if method == "full":
