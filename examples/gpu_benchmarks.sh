@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/performance.md, in the order they were run (one phase per device call), and the GPU
 # phases of the SmolLM2 mapper's training (docs/training.md: data, train, eval-mapper).
-#   bash examples/gpu_benchmarks.sh tests|llama|qwen|long|eval|data|train|eval-mapper  OUT_DIR [ARGS]
+#   bash examples/gpu_benchmarks.sh tests|mapper|llama|qwen|long|eval|data|train|eval-mapper  OUT_DIR [ARGS]
 # Random-weight models with the real shapes (speed does not depend on weight values), bfloat16, sdpa attention.
 set -uo pipefail
 phase=$1; out=${2:-runs/gpu}; mkdir -p "$out"
@@ -11,6 +11,9 @@ case $phase in
     python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
     python3 examples/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536
     python3 examples/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536 --statistics sum max ;;
+  mapper)  # the mapper's encoder: module vs encode_sdpa vs torch.compile, paper preset; ARGS: the shape (one per
+           # device call: torch.compile's first calls take minutes), llama-3.1-8b or qwen2.5-7b
+    python3 examples/bench_mapper_gpu.py --shape "${3:-llama-3.1-8b}" --lengths 8192 16384 32768 ;;
   llama)
     bench --shape llama-3.1-8b --methods full snapkv ${KVZIP-kvzip} proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/llama" ;;

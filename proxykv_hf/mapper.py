@@ -232,6 +232,10 @@ class ConvStem(nn.Module):
 class TimeEncoder(nn.Module):
     """Stage 2 on one window. ``(B, W, d_time)`` -> ``(B, W, d_time)``; positions count real tokens only."""
 
+    # device types whose eval-mode encoder runs through :meth:`encode_sdpa`; elsewhere (GPUs) the module's own
+    # forward, the path measured there (``examples/bench_mapper_gpu.py`` times both)
+    SDPA_DEVICES: tuple[str, ...] = ("cpu",)
+
     def __init__(self, config: MapperConfig) -> None:
         super().__init__()
         self.kind = config.time_encoder
@@ -258,7 +262,7 @@ class TimeEncoder(nn.Module):
             pad = ~valid
             pad = pad & ~pad.all(1, keepdim=True)  # all-padding windows attend freely: finite, ignored later
         z = z + sinusoidal_encoding(positions, z.shape[-1]).to(z.dtype)
-        if not self.training and z.device.type == "cpu":
+        if not self.training and z.device.type in self.SDPA_DEVICES:
             return self.encode_sdpa(z, pad)
         return self.encoder(z, src_key_padding_mask=pad)
 

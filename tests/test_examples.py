@@ -92,6 +92,27 @@ def test_bench_mapper_cpu_restores_the_sdpa_path(capsys):
     assert TimeEncoder.encode_sdpa is before
 
 
+def test_bench_mapper_gpu_runs_both_encoder_paths(capsys, monkeypatch):
+    """The GPU mapper benchmark, on the CPU with a tiny mapper of the Llama pair's shapes and no compile: both
+    encoder paths run, give the same logits, and the shipped choice of path is restored."""
+    from torch import nn
+
+    from proxykv_hf.mapper import TimeEncoder
+
+    before = TimeEncoder.SDPA_DEVICES
+    ran = []
+    for owner, name in ((TimeEncoder, "encode_sdpa"), (nn.TransformerEncoder, "forward")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
+    example("bench_mapper_gpu").main(["--device", "cpu", "--preset", "tiny", "--lengths", "96", "--repeats", "1",
+                                      "--no-compile"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 96 |")]
+    assert [r[2].strip() for r in rows] == ["shipped (encode_sdpa)", "module"]
+    assert float(rows[1][-2]) < 1e-4
+    assert {"encode_sdpa", "forward"} <= set(ran)  # the switch really changed the path
+    assert TimeEncoder.SDPA_DEVICES == before
+
+
 def test_compare_kvzip_scorers(tmp_path):
     from proxykv_hf.scorers import kvzip
     from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer

@@ -6,9 +6,10 @@ TTFT is prefill + scoring + compaction (one forward over the prompt with the met
 the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
 (``/proc/self/statm``) above the level at entry, after ``malloc_trim``. In one process that CPU figure depends on
 what earlier prefills left in the allocator's heap; ``fresh_memory`` measures each point in a new process instead
-(``proxykv bench --fresh-memory``; each row's ``peak_measure`` says which). Decode is the mean ms/token over ``decode_tokens`` greedy steps after compaction; on CUDA
-the reported figure replays each step as a CUDA graph over static buffers (``graph.py``: eager decoding is
-host-bound there, whatever the cache size), and the eager figure is kept beside it.
+(``proxykv bench --fresh-memory``; each row's ``peak_measure`` says which). Decode is the mean ms/token over
+``decode_tokens`` greedy steps after compaction; on CUDA the reported figure replays each step as a CUDA graph over
+static buffers (``graph.py``: eager decoding is host-bound there, whatever the cache size), and the eager figure is
+kept beside it.
 
 On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's: with torch 2.11 + CUDA
 13 on an H100, cuDNN attention spent ~2 ms of host time per call on one-token queries (a new plan for every new
