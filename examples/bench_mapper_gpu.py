@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from proxykv_hf.bench.run import timed
 from proxykv_hf.bench.shapes import PAIRS, SHAPES
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, TimeEncoder
 
@@ -36,22 +37,10 @@ def mapper_for(shape: str, preset: str) -> HybridAxialMapper:
     return HybridAxialMapper(cfg).eval()
 
 
-def timed(fn, device: torch.device, repeats: int) -> tuple[float, torch.Tensor]:
+def median_time(fn, device: torch.device, repeats: int) -> tuple[float, torch.Tensor]:
     """Median seconds of ``repeats`` calls (after the caller's warm-up) and the last output."""
-    times, out = [], None
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t = time.perf_counter()
-            out = fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+    runs = [timed(fn, device) for _ in range(repeats)]
+    return statistics.median(t for _, t in runs), runs[-1][0]
 
 
 @contextlib.contextmanager
@@ -103,7 +92,7 @@ def main(argv=None) -> None:
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                 first = time.perf_counter() - t0
-                seconds, out = timed(lambda: model(x).float(), device, ns.repeats)
+                seconds, out = median_time(lambda: model(x).float(), device, ns.repeats)
                 peak = float("nan")
                 if device.type == "cuda":
                     peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
