@@ -8,16 +8,18 @@
     proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
 
 Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
-a local directory, or the bundled default). Options that mirror a config dataclass are generated from it, so each
-default lives in one place.
+a local directory, or the bundled default). Options that mirror a config dataclass are generated from it, their
+help from its ``Attributes:`` docstring section, so each default and description lives in one place.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import logging
+import re
 import sys
 import tempfile
 import typing
@@ -31,9 +33,34 @@ BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = ()) -> None:
-    """``--field-name`` options for the simple fields (int, float, str, bool, lists of those) of ``cls``."""
+def field_docs(cls) -> dict[str, str]:
+    """Each field's description from the ``Attributes:`` section of ``cls``'s Google-style docstring, reST markup
+    (````x````, ``:func:`~a.b```) reduced to plain text; a line ``a, b: text`` describes both fields."""
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    if "Attributes:" not in lines:
+        return {}
+    found: dict[str, str] = {}
+    names: list[str] = []
+    for line in lines[lines.index("Attributes:") + 1:]:
+        if line and not line.startswith(" "):
+            break  # the next section
+        entry = re.match(r"^    (\w+(?:, \w+)*): (.*)$", line)
+        if entry:
+            names = entry.group(1).split(", ")
+            found.update(dict.fromkeys(names, entry.group(2)))
+        elif names and line.strip():
+            found.update({n: found[n] + " " + line.strip() for n in names})
+    plain = lambda text: re.sub(r":\w+:`~?(?:[\w.]*\.)?(\w+)`", r"\1", text).replace("``", "")  # noqa: E731
+    return {name: plain(text) for name, text in found.items()}
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (),
+                       choices: dict[str, typing.Sequence] | None = None) -> None:
+    """``--field-name`` options for the simple fields (int, float, str, bool, lists of those) of ``cls``, with
+    their help from :func:`field_docs`; ``choices`` restricts the values of the fields it names."""
     hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    choices = choices or {}
     for f in dataclasses.fields(cls):
         if f.name in skip or f.name.startswith("_"):
             continue
@@ -44,13 +71,15 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str,
         base = hint
         if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
             base = next(a for a in typing.get_args(hint) if a is not type(None))  # Optional[X] -> X
+        text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
         if base is bool or isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif isinstance(default, (list, tuple)) or typing.get_origin(base) in (list, tuple):
             inner = typing.get_args(base)[0] if typing.get_args(base) else str
-            parser.add_argument(flag, nargs="+", type=inner if inner in (int, float, str) else str, default=default)
+            parser.add_argument(flag, nargs="+", type=inner if inner in (int, float, str) else str, default=default,
+                                choices=choices.get(f.name), help=text)
         elif base in (int, float, str):
-            parser.add_argument(flag, type=base, default=default)
+            parser.add_argument(flag, type=base, default=default, choices=choices.get(f.name), help=text)
 
 
 def from_args(cls, ns: argparse.Namespace, **extra):
@@ -243,7 +272,7 @@ def cmd_demo(ns) -> int:
 
 # ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    from .bench.run import BenchConfig
+    from .bench.run import BENCH_METHODS, BenchConfig
     from .eval.harness import EvalConfig
     from .eval.methods import METHODS
     from .train.data import DataConfig
@@ -277,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
     _pool_arg(p)
-    add_dataclass_args(p, EvalConfig)
+    add_dataclass_args(p, EvalConfig, choices={"methods": METHODS})
     p.add_argument("--kvzip-chunk", type=int, default=2048)
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
@@ -317,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
     _common(p)
     _pool_arg(p)
-    add_dataclass_args(p, BenchConfig)
+    add_dataclass_args(p, BenchConfig, choices={"methods": BENCH_METHODS})
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
     p.add_argument("--proxy-device", default=None, help="device of the proxy and mapper (e.g. cuda:1); default: "
                    "the target's")

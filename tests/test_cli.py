@@ -237,3 +237,50 @@ def test_eval_generate_protocol(tmp_path):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["method"], r["protocol"]) for r in records] == [("full", "generate"), ("snapkv", "generate")]
     assert records[1]["kv_bytes"] < records[0]["kv_bytes"]
+
+
+def test_every_dataclass_option_has_help():
+    """The options generated from a config dataclass take their help from its docstring's ``Attributes:``: every
+    field of the four configs is described there (a new field without a description fails here)."""
+    import dataclasses
+
+    from proxykv_hf.bench.run import BenchConfig
+    from proxykv_hf.cli import build_parser, field_docs
+    from proxykv_hf.eval.harness import EvalConfig
+    from proxykv_hf.train.data import DataConfig
+    from proxykv_hf.train.loop import TrainConfig
+
+    for cls in (BenchConfig, EvalConfig, DataConfig, TrainConfig):
+        docs = field_docs(cls)
+        assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)] == [], cls.__name__
+    docs = field_docs(TrainConfig)
+    assert docs["lr"] == docs["weight_decay"] == "AdamW."  # one line for two fields
+    assert docs["eval_batch_size"] == "validation batch size (default batch_size)."  # reST markup dropped
+    assert "ReduceLROnPlateau (plateau_factor, plateau_patience epochs)" in docs["warmup_steps"]  # continued line
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    helps = {a.dest: a.help for a in bench._actions}
+    assert helps["fresh_memory"].startswith("on the CPU, measure each point's peak prefill memory in a fresh process")
+    for command in ("bench", "eval"):  # method names are checked when the command line is read
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--methods", "full", "not-a-method"])
+
+
+def test_field_docs_edge_cases():
+    from proxykv_hf.cli import field_docs
+
+    class NoDoc:
+        pass
+
+    class Doc:
+        """Summary.
+
+        Attributes:
+            a: uses :class:`~pkg.mod.Thing` and 50% of ``x``.
+                Second line.
+
+        Note:
+            b: not an attribute.
+        """
+
+    assert field_docs(NoDoc) == {}
+    assert field_docs(Doc) == {"a": "uses Thing and 50% of x. Second line."}

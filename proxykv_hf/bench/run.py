@@ -42,7 +42,7 @@ class BenchConfig:
     """A benchmark run.
 
     Attributes:
-        methods: from :data:`BENCH_METHODS`.
+        methods: the methods to time, from :data:`BENCH_METHODS` (full is always added: the ratios need it).
         context_lengths: prompt lengths in tokens.
         keep_ratio: the budget of the compressing methods.
         repeats: timed runs per point (median reported).

@@ -44,7 +44,7 @@ class EvalConfig:
     """One evaluation run.
 
     Attributes:
-        methods: names from :data:`~proxykv_hf.eval.methods.METHODS`.
+        methods: the methods to run, from :data:`~proxykv_hf.eval.methods.METHODS`.
         keep_ratios: budgets to sweep (the full cache is run once, at 1.0).
         tasks: task names (see ``proxykv_hf.eval.tasks.TASKS``).
         context_lengths: target context lengths in tokens.

@@ -62,9 +62,12 @@ class TrainConfig:
         lr, weight_decay: AdamW.
         warmup_steps: linear warmup from ``lr / warmup_steps`` to ``lr``; afterwards ``ReduceLROnPlateau``
             (``plateau_factor``, ``plateau_patience`` epochs) on the validation loss owns the learning rate.
+        plateau_factor: ``ReduceLROnPlateau``'s factor, in (0, 1).
+        plateau_patience: epochs without a better validation loss before the learning rate drops.
         batch_size: crops per optimizer step and process.
         grad_clip: max global gradient norm (None: no clipping).
         val_fraction: share of the crops held out (by whole texts when ``split_by_text``; see ``split_dataset``).
+        split_by_text: hold out whole texts, so that no crop of a validation text is trained on.
         epochs: passes over the training crops.
         max_steps: stop after this many optimizer steps in total (smoke runs); None = ``epochs`` decide.
         seed: model init, data order (a seeded permutation per epoch) and pair sampling of the loss.
