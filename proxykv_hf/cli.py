@@ -138,8 +138,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, local directory, or the bundled default")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and tokenizer (for smoke tests)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the model's dtype")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs (default: cuda when there is one)")
     p.add_argument("--mapper", default=None, help="ProxyKV mapper checkpoint (default: the bundled one)")
 
 
@@ -285,9 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long needle prompt with each method")
     _common(p)
     _pool_arg(p)
-    p.add_argument("--context-tokens", type=int, default=4096)
-    p.add_argument("--keep-ratio", type=float, default=0.3)
-    p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"])
+    p.add_argument("--context-tokens", type=int, default=4096, help="length of the needle prompt")
+    p.add_argument("--keep-ratio", type=float, default=0.3, help="share of the prompt's K/V each method keeps")
+    p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
     p.add_argument("--seed", type=int, default=100,
                    help="task seed (the shipped mapper trained on seeds 0, 1000, ..., 9000: keep clear of them)")
     p.set_defaults(fn=cmd_demo)
@@ -296,18 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _pool_arg(p)
     p.add_argument("--method", default="proxykv", choices=METHODS)
-    p.add_argument("--keep-ratio", type=float, default=0.3)
-    p.add_argument("--prompt")
-    p.add_argument("--prompt-file")
+    p.add_argument("--keep-ratio", type=float, default=0.3, help="share of the prompt's K/V kept")
+    p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
+    p.add_argument("--prompt-file", help="a text file holding the prompt")
     p.add_argument("--question", nargs="+", help="questions asked on the compressed prompt (query-agnostic)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
     _pool_arg(p)
     add_dataclass_args(p, EvalConfig, choices={"methods": METHODS})
-    p.add_argument("--kvzip-chunk", type=int, default=2048)
+    p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)
@@ -317,26 +318,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, DataConfig, skip=("oracle_kwargs", "dtype"))
     p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
                    help="dtype of the stored features and scores (--dtype is the model's)")
-    p.add_argument("--tasks", nargs="*", default=[])
-    p.add_argument("--files", nargs="*", default=[])
-    p.add_argument("--n-per-task", type=int, default=10)
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    p.add_argument("--tasks", nargs="*", default=[], help="synthetic task generators to draw texts from")
+    p.add_argument("--files", nargs="*", default=[], help="text files to use as texts as well")
+    p.add_argument("--n-per-task", type=int, default=10, help="texts per task and length")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048], help="text lengths in tokens")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the task generators")
+    p.add_argument("--out", required=True, help="directory of the dataset (shards + manifest)")
     p.add_argument("--scores-from", default=None, metavar="DIR",
                    help="a dataset built before from the same texts and target: reuse its oracle scores")
     p.set_defaults(fn=cmd_build_data)
 
     p = sub.add_parser("merge-data", help="merge datasets built apart (e.g. in parallel) into a new directory")
-    p.add_argument("sources", nargs="+", metavar="DIR")
-    p.add_argument("--out", required=True)
+    p.add_argument("sources", nargs="+", metavar="DIR", help="datasets built by build-data")
+    p.add_argument("--out", required=True, help="directory of the merged dataset")
     p.set_defaults(fn=cmd_merge_data)
 
     p = sub.add_parser("train", help="train a HybridAxialMapper on built data")
     add_dataclass_args(p, TrainConfig, skip=("loss",))
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"])
+    p.add_argument("--data", required=True, help="a dataset directory from build-data or merge-data")
+    p.add_argument("--out", required=True, help="run directory: checkpoints (best/, last/), log, plots")
+    p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"],
+                   help="mapper size: paper (~15M), small (~0.3M, the size of the shipped SmolLM2 mapper), tiny (tests)")
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override MapperConfig fields of the preset, e.g. crop_len=512 stride=256 dropout=0")
     p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE",
