@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="a dataset directory from build-data or merge-data")
     p.add_argument("--out", required=True, help="run directory: checkpoints (best/, last/), log, plots")
     p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"],
-                   help="mapper size: paper (~15M), small (~0.3M, the size of the shipped SmolLM2 mapper), tiny (tests)")
+                   help="mapper size: paper (~15M), small (~0.3M, the shipped SmolLM2 mapper's size), tiny (tests)")
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override MapperConfig fields of the preset, e.g. crop_len=512 stride=256 dropout=0")
     p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE",
