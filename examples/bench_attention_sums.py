@@ -35,6 +35,18 @@ def measure(fn, repeats: int) -> tuple[float, int, torch.Tensor]:
     return start.elapsed_time(end) / repeats, torch.cuda.max_memory_allocated() - base, out
 
 
+def inputs(ns, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded bf16 queries `(1, heads, n, D)` and keys, values `(1, kv_heads, n, D)` on the GPU."""
+    torch.manual_seed(0)
+    q = torch.randn(1, ns.heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, ns.kv_heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    return q, k, v
+
+
+def rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -50,12 +62,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     rows = []
     for n in ns.lengths:
-        torch.manual_seed(0)
-        q = torch.randn(1, ns.heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, ns.kv_heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
+        q, k, _ = inputs(ns, n)
         t_ref, m_ref, ref = measure(lambda: attention_sums(q, k, backend="torch", statistics=stats), ns.repeats)
         t_fused, m_fused, got = measure(lambda: attention_sums(q, k, backend="triton", statistics=stats), ns.repeats)
-        diff = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+        diff = rel_diff(got, ref)
         rows.append(dict(n=n, torch_ms=t_ref, triton_ms=t_fused, torch_peak=m_ref, triton_peak=m_fused, diff=diff))
         print(f"| {n} | {t_ref:.1f} | {t_fused:.1f} | {t_ref / t_fused:.1f}x | {m_ref / 2**20:.0f} | "
               f"{m_fused / 2**20:.0f} | {diff:.1e} |")
@@ -66,9 +76,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     rows = []
     for n in ns.lengths:
-        torch.manual_seed(0)
-        q = torch.randn(1, ns.heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, ns.kv_heads, n, ns.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        q, k, v = inputs(ns, n)
 
         def two_pass():
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -77,7 +85,7 @@ def main() -> None:
         t_ref, _, (_, ref) = measure(two_pass, ns.repeats)
         t_new, _, (_, got) = measure(lambda: causal_attention_with_statistics(q, k, v, backend="triton",
                                                                               statistics=stats), ns.repeats)
-        diff = ((got - ref).abs() / ref.abs().clamp_min(1e-3)).max().item()
+        diff = rel_diff(got, ref)
         rows.append(dict(n=n, sdpa_two_pass_ms=t_ref, flash_pass2_ms=t_new, diff=diff))
         print(f"| {n} | {t_ref:.1f} | {t_new:.1f} | {1 - t_new / t_ref:.0%} | {diff:.1e} |")
     print(json.dumps(rows))

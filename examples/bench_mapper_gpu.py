@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         else:
             paths = {"shipped (module)": (mapper, shipped), "encode_sdpa": (mapper, (*shipped, device.type))}
         if compiled is not None:
-            paths["torch.compile"] = (compiled, TimeEncoder.SDPA_DEVICES)
+            paths["torch.compile"] = (compiled, shipped)
         ref = None
         for name, (model, devices) in paths.items():
             with torch.no_grad(), autocast, sdpa_encoder(devices):

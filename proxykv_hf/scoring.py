@@ -141,9 +141,7 @@ def attention_sums(
     if backend == "triton" and not fused:
         raise ValueError("the triton backend needs attention_mask=None (causal), T >= Q, and a GPU with Triton")
     if fused and backend != "torch":
-        total, peak = kernels.causal_attention_sums(query, key, scaling, query_valid, with_max=True) \
-            if "max" in statistics else (kernels.causal_attention_sums(query, key, scaling, query_valid), None)
-        found = {"sum": total, "max": peak}
+        found = _fused_statistics(query, key, scaling, query_valid, statistics)
         return torch.cat([_reduce(found[s].view(B, H_kv, G, T), group_reduce) for s in statistics], dim=1)
     found, _ = _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_size, statistics)
     return torch.cat([_reduce(found[s], group_reduce) for s in statistics], dim=1)
@@ -210,20 +208,18 @@ def _flash_statistics(query, key, value, scaling, query_valid, statistics):
     :func:`causal_attention_with_statistics`)."""
     global _flash_lse_ok
     try:
-        found = kernels.flash_attention_with_lse(query, key, value, scaling)
+        flash = kernels.flash_attention_with_lse(query, key, value, scaling)
     except (RuntimeError, NotImplementedError) as err:  # a flash build that refuses what the checks let through
         logger.warning("flash attention with its log-sum-exp failed (%s); the attention statistics use sdpa and "
                        "both passes of the fused kernels from now on", err)
         _flash_lse_ok = False
         return None
-    if found is None:
+    if flash is None:
         return None
-    output, lse = found
-    with_max = "max" in statistics
-    result = kernels.causal_attention_sums(query, key, scaling, query_valid, with_max=with_max, lse=lse)
-    total, peak = result if with_max else (result, None)
+    output, lse = flash
+    found = _fused_statistics(query, key, scaling, query_valid, statistics, lse=lse)
     if _flash_lse_ok is None:  # once per process: every query row's probabilities must sum to one
-        rows = total.sum(-1)  # (B, H)
+        rows = found["sum"].sum(-1)  # (B, H)
         want = (torch.full_like(rows, query.shape[2]) if query_valid is None
                 else query_valid.to(rows).sum(-1, keepdim=True).expand_as(rows))
         _flash_lse_ok = bool(torch.allclose(rows, want, rtol=1e-2, atol=1e-2))
@@ -232,8 +228,15 @@ def _flash_statistics(query, key, value, scaling, query_valid, statistics):
                            "(row sums %s, expected %s); the attention statistics use sdpa and both passes of the "
                            "fused kernels from now on", rows.flatten()[:4].tolist(), want.flatten()[:4].tolist())
             return None
-    found = {"sum": total, "max": peak}
     return output, torch.cat([found[s] for s in statistics], dim=1)
+
+
+def _fused_statistics(query, key, scaling, query_valid, statistics, lse=None) -> dict:
+    """The fused kernels' ``{"sum": (B, H, T), "max": (B, H, T) or None}``; the maxima only where asked for."""
+    if "max" not in statistics:
+        return {"sum": kernels.causal_attention_sums(query, key, scaling, query_valid, lse=lse), "max": None}
+    total, peak = kernels.causal_attention_sums(query, key, scaling, query_valid, with_max=True, lse=lse)
+    return {"sum": total, "max": peak}
 
 
 def _check_heads_and_chunk(query: torch.Tensor, key: torch.Tensor, chunk_size: int) -> None:
