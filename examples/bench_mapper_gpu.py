@@ -23,16 +23,13 @@ import time
 import torch
 
 from proxykv_hf.bench.run import timed
-from proxykv_hf.bench.shapes import PAIRS, SHAPES
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, TimeEncoder
+from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config
+from proxykv_hf.mapper import HybridAxialMapper, TimeEncoder
 
 
 def mapper_for(shape: str, preset: str) -> HybridAxialMapper:
     """A random mapper reading the proxy of ``shape``'s pair and scoring ``shape``."""
-    target, proxy = SHAPES[shape], SHAPES[PAIRS[shape]]
-    make = MapperConfig.paper if preset == "paper" else MapperConfig.tiny
-    cfg = make(num_proxy_layers=proxy["num_hidden_layers"], num_proxy_heads=proxy["num_attention_heads"],
-               num_target_layers=target["num_hidden_layers"], num_target_heads=target["num_key_value_heads"])
+    cfg = pair_mapper_config(shape, preset)
     torch.manual_seed(0)
     return HybridAxialMapper(cfg).eval()
 

@@ -50,6 +50,15 @@ def fuses_with_attention(query: torch.Tensor) -> bool:
     return not kernels.available(query) or (_flash_lse_ok is not False and kernels.flash_lse_supported(query))
 
 
+def recomputations(query: torch.Tensor) -> int:
+    """How many times the statistics of a causal prefill with queries like ``query`` recompute ``Q K^T`` beyond the
+    attention itself: 0 on the chunked PyTorch path with the attention (one softmax for output and statistics), 1
+    for flash attention + pass 2 or for sdpa + the PyTorch statistics, 2 for sdpa + both fused passes."""
+    if fuses_with_attention(query):
+        return int(kernels.available(query))
+    return 2 if kernels.available(query) else 1
+
+
 def check_statistics(statistics) -> tuple[str, ...]:
     """``statistics`` as a tuple of distinct names from :data:`STATISTICS`, or ``ValueError``."""
     statistics = tuple(statistics)

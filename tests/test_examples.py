@@ -146,3 +146,46 @@ def test_compare_fused_statistics(tmp_path):
     assert [len(r["seconds"][f]) for f in (False, True)] == [2, 2]
     assert r["max_abs_diff"] < 1e-4 and r["kept_recall"] == {0.2: 1.0, 0.5: 1.0} and r["same_answer"]
     assert scoring.FUSE_WITH_ATTENTION  # restored
+
+
+def test_flop_budget(tmp_path, capsys):
+    """The FLOP table of both pairs, and a bench file's ProxyKV row read against it: the floor is the FLOP ratio
+    and each part's rate is its FLOPs over its time in the breakdown."""
+    from proxykv_hf.bench.flops import prefill_flops
+    from proxykv_hf.bench.shapes import pair_mapper_config, shape_config
+
+    bench = tmp_path / "bench.json"
+    row = {"context": 8192, "method": "proxykv", "ttft_vs_full": 1.9,
+           "breakdown": {"proxy_s": 0.5, "mapper_s": 0.25, "target_prefill_s": 0.2}}
+    bench.write_text(json.dumps({"env": {"shape": "llama-3.1-8b", "device": "X"},
+                                 "rows": [{"context": 8192, "method": "full"}, row]}))
+    example("flop_budget").main(["--context-lengths", "8192", "--bench", str(bench)])
+    out = capsys.readouterr().out
+    target, proxy, mapper = shape_config("llama-3.1-8b"), shape_config("llama-3.2-1b"), pair_mapper_config(
+        "llama-3.1-8b")
+    floor = prefill_flops(target, 8192, proxy_kind="model", proxy_config=proxy, mapper_config=mapper)
+    ran = prefill_flops(target, 8192, proxy_kind="model", proxy_config=proxy, mapper_config=mapper,
+                        statistics_passes=2)
+    assert f"| {floor['total'] / floor['target']:.3f} |" in out and "qwen2.5-7b target" in out
+    measured = [line for line in out.splitlines() if line.startswith("| 8192 | 1.90 |")]
+    assert measured == [f"| 8192 | 1.90 | {floor['total'] / floor['target']:.2f} | {ran['target'] / 0.2e12:.0f} | "
+                        f"{(ran['proxy'] + ran['statistics']) / 0.5e12:.0f} | {ran['mapper'] / 0.25e12:.0f} |"]
+
+
+def test_shape_setup_builds_the_pair_and_its_paper_mapper(tmp_path):
+    """``proxykv bench --shape``'s set-up, on the meta device (no weights): the pair's proxy and the paper-preset
+    mapper between them."""
+    import argparse
+
+    from proxykv_hf.bench.cli import _shape_setup
+    from proxykv_hf.bench.shapes import pair_mapper_config
+    from proxykv_hf.hub import load_checkpoint
+
+    ns = argparse.Namespace(shape="qwen2.5-7b", dtype="bfloat16", device="meta", proxy_device=None)
+    target, _ = _shape_setup(ns, str(tmp_path))
+    assert target.config.num_hidden_layers == 28 and ns._proxy_model.config.num_attention_heads == 12
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.mapper.config == pair_mapper_config("qwen2.5-7b") and ckpt.proxy.model_id == "qwen2.5-1.5b"
+    assert pair_mapper_config("qwen2.5-7b", "tiny").num_proxy_heads == 12
+    with pytest.raises(ValueError, match="no mapper for shape"):
+        pair_mapper_config("qwen2.5-1.5b")

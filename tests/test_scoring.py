@@ -187,20 +187,21 @@ def test_where_statistics_come_with_the_attention(monkeypatch):
     from proxykv_hf import scoring
 
     q = torch.randn(1, 2, 4, 8)
+    fuses, recomputations = scoring.fuses_with_attention, scoring.recomputations  # + how often Q K^T is redone
     monkeypatch.setattr(scoring, "_flash_lse_ok", None)
     monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
-    assert scoring.fuses_with_attention(q)
+    assert fuses(q) and recomputations(q) == 0
     monkeypatch.setattr(scoring.kernels, "available", lambda query: True)
-    assert scoring.fuses_with_attention(q)  # CPU tensors: PyTorch's CPU flash attention gives the log-sum-exp
+    assert fuses(q) and recomputations(q) == 1  # CPU tensors: PyTorch's CPU flash attention gives the log-sum-exp
     monkeypatch.setattr(scoring.kernels, "flash_lse_supported", lambda query: False)
-    assert not scoring.fuses_with_attention(q)  # e.g. float32 on CUDA: sdpa, then both fused passes
+    assert not fuses(q) and recomputations(q) == 2  # e.g. float32 on CUDA: sdpa, then both fused passes
     monkeypatch.setattr(scoring.kernels, "flash_lse_supported", lambda query: True)
     monkeypatch.setattr(scoring, "_flash_lse_ok", False)
-    assert not scoring.fuses_with_attention(q)
+    assert not fuses(q) and recomputations(q) == 2
     monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
-    assert scoring.fuses_with_attention(q)
+    assert fuses(q) and recomputations(q) == 0
     monkeypatch.setattr(scoring, "FUSE_WITH_ATTENTION", False)
-    assert not scoring.fuses_with_attention(q)
+    assert not fuses(q) and recomputations(q) == 1  # sdpa, then the PyTorch statistics
 
 
 def test_flash_attention_with_lse_on_cpu():

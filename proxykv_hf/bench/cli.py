@@ -54,22 +54,19 @@ def _scorers(ns, model, tok, tmp: str):
 def _shape_setup(ns, tmp: str):
     """Random-weight target + proxy of real shapes, and a random paper-preset mapper (honest for timing)."""
     from ..hub import Checkpoint, save_checkpoint
-    from ..mapper import HybridAxialMapper, MapperConfig
+    from ..mapper import HybridAxialMapper
     from ..proxy import ProxySpec
     from ..testing import tiny_tokenizer
     from ..train.data import target_spec_of
-    from .shapes import PAIRS, random_model
+    from .shapes import PAIRS, pair_mapper_config, random_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[ns.dtype]
     target = random_model(ns.shape, device=ns.device, dtype=dtype)
     proxy = random_model(PAIRS[ns.shape], device=ns.proxy_device or ns.device, dtype=dtype, seed=1)
     spec = ProxySpec(kind="model", num_layers=proxy.config.num_hidden_layers,
                      num_heads=proxy.config.num_attention_heads, model_id=PAIRS[ns.shape])
-    tspec = target_spec_of(target, ns.shape)
-    cfg = MapperConfig.paper(num_proxy_layers=spec.num_layers, num_proxy_heads=spec.num_heads,
-                             num_target_layers=tspec.num_layers, num_target_heads=tspec.num_kv_heads)
-    mapper = HybridAxialMapper(cfg).eval()
-    save_checkpoint(Checkpoint(mapper=mapper, proxy=spec, target=tspec), tmp)
+    mapper = HybridAxialMapper(pair_mapper_config(ns.shape)).eval()
+    save_checkpoint(Checkpoint(mapper=mapper, proxy=spec, target=target_spec_of(target, ns.shape)), tmp)
     ns._proxy_model, ns._mapper_dir = proxy, tmp
     return target, tiny_tokenizer()  # ids only need to be in range; the tiny byte tokenizer serves KVzip's prompts
 

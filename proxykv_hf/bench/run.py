@@ -11,6 +11,9 @@ what earlier prefills left in the allocator's heap; ``fresh_memory`` measures ea
 static buffers (``graph.py``: eager decoding is host-bound there, whatever the cache size), and the eager figure is
 kept beside it.
 
+Rows of the full cache and of ProxyKV also carry their matmul FLOPs (``flops.py``) and ``flops_vs_full``: the
+TTFT ratio one device could reach were every kernel as efficient as the target's prefill.
+
 On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's: with torch 2.11 + CUDA
 13 on an H100, cuDNN attention spent ~2 ms of host time per call on one-token queries (a new plan for every new
 key length), which made an 8B model's decode host-bound at ~110 ms/token (docs/performance.md).
@@ -30,7 +33,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..cache import ProxyKVCache
+from ..scoring import recomputations
 from ..selection import select_topk
+from .flops import GATED_MLP_FAMILIES, attention_shape, prefill_flops
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +223,26 @@ class Bench:
         out.setdefault("decode_ms_per_token", out["decode_eager_ms_per_token"])
         return out
 
+    def _flops(self, method: str, n: int) -> dict | None:
+        """Matmul FLOPs of one ``n``-token prefill by part (:func:`~proxykv_hf.bench.flops.prefill_flops`), for the
+        full cache and ProxyKV; None for other methods and for families the counts do not cover. The statistics
+        count the recomputations of ``Q K^T`` that this device's path runs (:func:`scoring.recomputations`)."""
+        if method not in ("full", "proxykv") or self.model.config.model_type not in GATED_MLP_FAMILIES:
+            return None
+        if method == "full":
+            return prefill_flops(self.model.config, n)
+        scorer = self.scorers["proxykv"]
+        runner = scorer.proxy_model if scorer.spec.kind == "model" else self.model
+        if runner.config.model_type not in GATED_MLP_FAMILIES:
+            return None
+        heads, _, head_dim = attention_shape(runner.config)
+        weight = next(runner.parameters())
+        passes = recomputations(torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device))
+        return prefill_flops(self.model.config, n, proxy_kind=scorer.spec.kind,
+                             proxy_config=runner.config if scorer.spec.kind == "model" else None,
+                             proxy_layers=scorer.spec.layers, mapper_config=scorer.mapper.config,
+                             statistics_passes=passes)
+
     @torch.no_grad()
     def _breakdown(self, ids: torch.Tensor, full: ProxyKVCache, plain_prefill_s: float) -> dict:
         scorer = self.scorers["proxykv"]
@@ -265,7 +290,7 @@ class Bench:
                     measure = "CUDA allocator" if self.device.type == "cuda" else "this process, sampled RSS"
                 row = {"context": n, "method": method, "keep_ratio": 1.0 if method == "full" else cfg.keep_ratio,
                        "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": peak,
-                       "peak_measure": measure, "kv_bytes": cache.nbytes()}
+                       "peak_measure": measure, "kv_bytes": cache.nbytes(), "flops": self._flops(method, n)}
                 if cfg.decode_tokens:
                     row.update(self._decode(cache))
                 if method == "full":
@@ -275,6 +300,8 @@ class Bench:
                                                             self._prefill("full", ids), row["ttft_s"])
                 row["ttft_vs_full"] = row["ttft_s"] / base["ttft_s"]
                 row["peak_vs_full"] = row["peak_prefill_bytes"] / max(1, base["peak_prefill_bytes"])
+                if row["flops"] is not None and base["flops"] is not None:
+                    row["flops_vs_full"] = row["flops"]["total"] / base["flops"]["total"]
                 if "decode_ms_per_token" in row:
                     row["decode_vs_full"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
                     row["decode_eager_vs_full"] = (row["decode_eager_ms_per_token"]
@@ -297,11 +324,12 @@ class Bench:
 
 def table(rows: list[dict]) -> str:
     """A markdown table of the rows (times in ms, memory in MiB)."""
-    lines = ["| context | method | TTFT ms | TTFT / full | peak prefill MiB | peak / full | KV MiB | decode ms/tok |"
-             " decode / full | eager decode ms/tok |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | method | TTFT ms | TTFT / full | FLOPs / full | peak prefill MiB | peak / full | KV MiB |"
+             " decode ms/tok | decode / full | eager decode ms/tok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        flops = f"{r['flops_vs_full']:.2f}" if "flops_vs_full" in r else "-"
         lines.append(
-            f"| {r['context']} | {r['method']} | {1000 * r['ttft_s']:.0f} | {r['ttft_vs_full']:.2f} | "
+            f"| {r['context']} | {r['method']} | {1000 * r['ttft_s']:.0f} | {r['ttft_vs_full']:.2f} | {flops} | "
             f"{r['peak_prefill_bytes'] / 2**20:.1f} | {r['peak_vs_full']:.2f} | {r['kv_bytes'] / 2**20:.1f} | "
             f"{r.get('decode_ms_per_token', float('nan')):.1f} | {r.get('decode_vs_full', float('nan')):.2f} | "
             f"{r.get('decode_eager_ms_per_token', float('nan')):.1f} |")

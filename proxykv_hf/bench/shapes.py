@@ -25,15 +25,36 @@ SHAPES: dict[str, dict] = {
 PAIRS = {"llama-3.1-8b": "llama-3.2-1b", "qwen2.5-7b": "qwen2.5-1.5b"}
 
 
-def random_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
-                 attn_implementation: str = "sdpa", seed: int = 0):
-    """A causal LM with the shape ``shape`` (see :data:`SHAPES`) and random weights, built on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def shape_config(shape: str):
+    """The transformers config of ``shape`` (see :data:`SHAPES`)."""
+    from transformers import AutoConfig
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     spec = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def pair_mapper_config(shape: str, preset: str = "paper"):
+    """A mapper config (``MapperConfig.<preset>``: paper, small or tiny) between the target ``shape`` and its proxy
+    ``PAIRS[shape]``: every query head of every proxy layer in, every KV head of every target layer out."""
+    from ..mapper import MapperConfig
+
+    if shape not in PAIRS or preset not in ("paper", "small", "tiny"):
+        raise ValueError(f"no mapper for shape {shape!r} with preset {preset!r}; shapes with a proxy: "
+                         f"{', '.join(PAIRS)}; presets: paper, small, tiny")
+    target, proxy = SHAPES[shape], SHAPES[PAIRS[shape]]
+    return getattr(MapperConfig, preset)(
+        num_proxy_layers=proxy["num_hidden_layers"], num_proxy_heads=proxy["num_attention_heads"],
+        num_target_layers=target["num_hidden_layers"], num_target_heads=target["num_key_value_heads"])
+
+
+def random_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 attn_implementation: str = "sdpa", seed: int = 0):
+    """A causal LM with the shape ``shape`` (see :data:`SHAPES`) and random weights, built on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = shape_config(shape)
     torch.manual_seed(seed)
     with torch.device(device):  # initialise directly on the device (an 8B model in a few seconds on a GPU)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)

@@ -1,0 +1,85 @@
+"""ProxyKV's compute floor on one device: matmul FLOPs of the full prefill and of ProxyKV's parts, per pair of real
+shapes (``proxykv_hf.bench.flops``), and, from ``proxykv bench`` JSON files of those shapes, what each part reached.
+
+    python examples/flop_budget.py                                   # the FLOP table of both pairs, 4k-128k
+    python examples/flop_budget.py --bench docs/data/gpu_llama.json  # + measured TTFT and TFLOP/s per part
+
+The FLOP ratio is the TTFT ratio that one device could reach were the proxy, its statistics and the mapper run as
+efficiently as the target's prefill; the measured rows say how far each part is from that. A part's rate is its
+FLOPs over its time in the run's breakdown (each part timed alone; at the shortest length the mapper's time there
+includes its first call's set-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from proxykv_hf.bench.flops import prefill_flops
+from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config, shape_config
+
+TERA = 1e12
+
+
+def flops(shape: str, n: int, statistics_passes: int) -> dict[str, int]:
+    """ProxyKV's FLOPs by part for the pair of ``shape`` (paper-preset mapper) at ``n`` tokens."""
+    return prefill_flops(shape_config(shape), n, proxy_kind="model", proxy_config=shape_config(PAIRS[shape]),
+                         mapper_config=pair_mapper_config(shape), statistics_passes=statistics_passes)
+
+
+def budget_table(shape: str, lengths: list[int], statistics_passes: int) -> list[str]:
+    lines = [f"{shape} target, {PAIRS[shape]} proxy, paper-preset mapper, {statistics_passes} recomputation(s) of "
+             "Q K^T per proxy layer for the statistics (TFLOP; ratios to the full prefill):", "",
+             "| context | full prefill | proxy forward | statistics | mapper | ProxyKV | FLOPs / full |",
+             "|---|---|---|---|---|---|---|"]
+    for n in lengths:
+        f = flops(shape, n, statistics_passes)
+        part = lambda k: f"{f[k] / TERA:.1f} ({f[k] / f['target']:.3f})"  # noqa: E731
+        lines.append(f"| {n} | {f['target'] / TERA:.1f} | {part('proxy')} | {part('statistics')} | {part('mapper')} | "
+                     f"{f['total'] / TERA:.1f} | {f['total'] / f['target']:.3f} |")
+    return lines
+
+
+def measured_table(path: str, statistics_passes: int, floor_passes: int) -> list[str]:
+    """ProxyKV rows of one bench JSON: measured TTFT ratio against the FLOP floor, and TFLOP/s per part."""
+    data = json.load(open(path))
+    shape = data["env"].get("shape")
+    if shape not in PAIRS:
+        raise SystemExit(f"{path}: its env names no shape with a proxy pair ({shape!r}); run with --shape")
+    lines = [f"{path} ({shape}; {data['env'].get('device')}; the proxy's statistics there: {statistics_passes} "
+             "recomputation(s) of Q K^T per layer):", "",
+             "| context | TTFT / full | FLOP floor | target TFLOP/s | proxy + statistics TFLOP/s | mapper TFLOP/s |",
+             "|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        b = row.get("breakdown")
+        if row["method"] != "proxykv" or b is None:
+            continue
+        n = row["context"]
+        ran, floor = flops(shape, n, statistics_passes), flops(shape, n, floor_passes)
+        side = (ran["proxy"] + ran["statistics"]) / b["proxy_s"]
+        lines.append(f"| {n} | {row['ttft_vs_full']:.2f} | {floor['total'] / floor['target']:.2f} | "
+                     f"{ran['target'] / b['target_prefill_s'] / TERA:.0f} | {side / TERA:.0f} | "
+                     f"{ran['mapper'] / b['mapper_s'] / TERA:.0f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--statistics-passes", type=int, default=1,
+                   help="Q K^T recomputations per proxy layer in the floor (1: the flash path's pass 2 alone)")
+    p.add_argument("--bench", nargs="*", default=[], help="proxykv bench JSON files of the real shapes")
+    p.add_argument("--bench-statistics-passes", type=int, default=2,
+                   help="what the runs in --bench executed (2: sdpa + both fused passes, before the thirteenth "
+                        "session's flash path)")
+    ns = p.parse_args(argv)
+    lines = []
+    for shape in PAIRS:
+        lines += budget_table(shape, ns.context_lengths, ns.statistics_passes) + [""]
+    for path in ns.bench:
+        lines += measured_table(path, ns.bench_statistics_passes, ns.statistics_passes) + [""]
+    print("\n".join(lines).rstrip())
+
+
+if __name__ == "__main__":
+    main()
