@@ -3,6 +3,7 @@ shapes (``proxykv_hf.bench.flops``), and, from ``proxykv bench`` JSON files of t
 
     python examples/flop_budget.py                                   # the FLOP table of both pairs, 4k-128k
     python examples/flop_budget.py --bench docs/data/gpu_llama.json  # + measured TTFT and TFLOP/s per part
+    python examples/flop_budget.py --bench docs/data/gpu_*.json --plot floor.png  # + both as a plot
 
 The FLOP ratio is the TTFT ratio that one device could reach were the proxy, its statistics and the mapper run as
 efficiently as the target's prefill; the measured rows say how far each part is from that. A part's rate is its
@@ -63,6 +64,36 @@ def measured_table(path: str, statistics_passes: int, floor_passes: int) -> list
     return lines
 
 
+def plot(lengths: list[int], statistics_passes: int, bench: list[str], path: str, target: float | None = None) -> None:
+    """Each pair's FLOP floor (dashed), the measured ProxyKV TTFT ratios of the bench files (points) and, where
+    given, a target ratio (dotted)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    colour = {shape: f"C{i}" for i, shape in enumerate(PAIRS)}
+    for shape in PAIRS:
+        floor = [flops(shape, n, statistics_passes) for n in lengths]
+        ax.plot(lengths, [f["total"] / f["target"] for f in floor], ls="--", color=colour[shape],
+                label=f"{shape} / {PAIRS[shape]}: FLOPs / full")
+    for path_in in bench:
+        data = json.load(open(path_in))
+        rows = [r for r in data["rows"] if r["method"] == "proxykv"]
+        shape = data["env"].get("shape")
+        ax.plot([r["context"] for r in rows], [r["ttft_vs_full"] for r in rows], marker="o", ls="-",
+                color=colour.get(shape, "k"), label=f"{path_in.rsplit('/', 1)[-1]}: TTFT / full")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    if target is not None:
+        ax.axhline(target, color="k", ls=":", lw=1, label=f"target {target}")
+    ax.set(xlabel="context tokens", ylabel="ratio to the full cache's prefill", xscale="log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context-lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
@@ -72,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench-statistics-passes", type=int, default=2,
                    help="what the runs in --bench executed (2: sdpa + both fused passes, before the thirteenth "
                         "session's flash path)")
+    p.add_argument("--plot", default=None, help="write a plot of the floors and the measured ratios here")
+    p.add_argument("--target", type=float, default=None, help="a TTFT ratio to draw on the plot")
     ns = p.parse_args(argv)
     lines = []
     for shape in PAIRS:
@@ -79,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in ns.bench:
         lines += measured_table(path, ns.bench_statistics_passes, ns.statistics_passes) + [""]
     print("\n".join(lines).rstrip())
+    if ns.plot:
+        plot(ns.context_lengths, ns.statistics_passes, ns.bench, ns.plot, ns.target)
 
 
 if __name__ == "__main__":

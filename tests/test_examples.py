@@ -159,7 +159,9 @@ def test_flop_budget(tmp_path, capsys):
            "breakdown": {"proxy_s": 0.5, "mapper_s": 0.25, "target_prefill_s": 0.2}}
     bench.write_text(json.dumps({"env": {"shape": "llama-3.1-8b", "device": "X"},
                                  "rows": [{"context": 8192, "method": "full"}, row]}))
-    example("flop_budget").main(["--context-lengths", "8192", "--bench", str(bench)])
+    example("flop_budget").main(["--context-lengths", "8192", "--bench", str(bench), "--plot",
+                                 str(tmp_path / "floor.png"), "--target", "1.15"])
+    assert (tmp_path / "floor.png").stat().st_size > 0
     out = capsys.readouterr().out
     target, proxy, mapper = shape_config("llama-3.1-8b"), shape_config("llama-3.2-1b"), pair_mapper_config(
         "llama-3.1-8b")

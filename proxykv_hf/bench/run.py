@@ -337,20 +337,33 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> None:
-    """TTFT and peak prefill memory vs context length, one line per method."""
+    """TTFT and peak prefill memory vs context length, one line per method; where rows carry FLOP counts, a third
+    panel sets each method's TTFT ratio against its FLOP ratio (the floor one device could reach)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for method in dict.fromkeys(r["method"] for r in rows):
+    counted = [r for r in rows if "flops_vs_full" in r and r["method"] != "full"]
+    fig, axes = plt.subplots(1, 3 if counted else 2, figsize=(15 if counted else 10, 3.6))
+    a, b = axes[:2]
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         rs = [r for r in rows if r["method"] == method]
-        a.plot([r["context"] for r in rs], [r["ttft_s"] for r in rs], marker="o", label=method)
-        b.plot([r["context"] for r in rs], [r["peak_prefill_bytes"] / 2**20 for r in rs], marker="o", label=method)
+        n = [r["context"] for r in rs]
+        a.plot(n, [r["ttft_s"] for r in rs], marker="o", label=method, color=f"C{i}")
+        b.plot(n, [r["peak_prefill_bytes"] / 2**20 for r in rs], marker="o", label=method, color=f"C{i}")
+        if counted and method != "full":
+            axes[2].plot(n, [r["ttft_vs_full"] for r in rs], marker="o", color=f"C{i}", label=f"{method} TTFT")
+            floor = [(r["context"], r["flops_vs_full"]) for r in rs if "flops_vs_full" in r]
+            if floor:
+                axes[2].plot(*zip(*floor), ls="--", marker="x", color=f"C{i}", label=f"{method} FLOPs")
     a.set(xlabel="context tokens", ylabel="time to first token (s)", xscale="log", yscale="log")
     b.set(xlabel="context tokens", ylabel="peak prefill memory (MiB)", xscale="log")
     a.legend(fontsize=8)
+    if counted:
+        axes[2].axhline(1.0, color="C0", lw=0.8)
+        axes[2].set(xlabel="context tokens", ylabel="ratio to the full cache's prefill", xscale="log")
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
