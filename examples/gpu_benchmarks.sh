@@ -20,9 +20,10 @@ case $phase in
   qwen)
     bench --shape qwen2.5-7b --methods full snapkv kvzip kvzip_iam proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/qwen" ;;
-  long)  # expandable segments: the 128k prefill otherwise fails on fragmentation (12 GiB reserved, unused)
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --shape llama-3.1-8b --methods full proxykv --context-lengths 65536 131072 --repeats 1 --warmup 0 \
-      --decode-tokens 32 --out "$out/long" ;;
+  long)  # expandable segments: the 128k prefill otherwise fails on fragmentation (12 GiB reserved, unused);
+         # ARGS: the shape, llama-3.1-8b (default) or qwen2.5-7b
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --shape "${3:-llama-3.1-8b}" --methods full proxykv \
+      --context-lengths 65536 131072 --repeats 1 --warmup 0 --decode-tokens 32 --out "$out/long-${3:-llama-3.1-8b}" ;;
   eval)  # the accuracy grid of docs/results.md on the bundled SmolLM2 (float32), one process per task, all at once:
          # generation is host-bound, so 12 processes share the GPU; records are resumable, shards merge afterwards
     len=${3:-2048}; M=proxykv_hf/checkpoints/proxykv-smollm2-135m-instruct

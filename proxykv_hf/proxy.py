@@ -157,7 +157,12 @@ def _renumbered(layer: nn.Module, idx: int) -> nn.Module:
 
 def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
     """A decoder that runs only ``layers`` of ``model`` on the same weights (no copy of any parameter); its layers
-    are numbered ``0..len(layers)-1`` so that it works with any cache."""
+    are numbered ``0..len(layers)-1`` so that it works with any cache.
+
+    ``model`` is opted into the ProxyKV attention wrapper first (a pass-through for other caches): the subset's
+    attention modules are ``model``'s own and read ``model``'s config, not the subset's copy, so opting the subset
+    in later would not reach them."""
+    attention.use_proxykv_attention(model)
     base = decoder_of(model)
     if list(layers) != sorted(set(layers)):
         raise ValueError(f"layers must be increasing and distinct, got {layers}")

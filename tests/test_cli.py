@@ -67,16 +67,20 @@ def test_bench_tiny(tmp_path, capsys):
     prox = [r for r in rows if r["method"] == "proxykv"][0]
     assert {"proxy_s", "mapper_s", "compact_s", "overlap_fraction"} <= set(prox["breakdown"])
     assert (tmp_path / "bench.png").exists() and (tmp_path / "bench.md").exists()
-    # matmul FLOPs for the full cache and ProxyKV: the --tiny mapper reads a model proxy, whose forward and mapper
-    # count; on the CPU its statistics come from the same softmax as its attention output (no recomputation)
-    assert all(r["flops_vs_full"] == 1.0 for r in full) and snap["flops"] is None and "flops_vs_full" not in snap
+    # matmul FLOPs by part for every method; the --tiny mapper reads a model proxy, whose forward and mapper count;
+    # on the CPU its statistics come from the same softmax as its attention output (no recomputation)
+    assert all(r["flops_vs_full"] == 1.0 and set(r["flops"]) == {"target", "total"} for r in full)
     parts = prox["flops"]
     assert min(parts["proxy"], parts["mapper"]) > 0 and parts["statistics"] == 0
     assert parts["target"] == full[0]["flops"]["total"] and prox["flops_vs_full"] == parts["total"] / parts["target"]
+    kvzip = [r for r in rows if r["method"] == "kvzip" and r["context"] == 128][0]["flops"]
+    assert set(kvzip) == {"target", "repeat", "scoring", "total"} and kvzip["repeat"] > kvzip["target"]
+    assert snap["flops"]["statistics"] > 0 and all(r["flops"]["total"] == sum(v for k, v in r["flops"].items()
+                                                                             if k != "total") for r in rows)
     md = (tmp_path / "bench.md").read_text().splitlines()
     cells = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[5].strip() for line in md[2:]}
     assert md[0].split("|")[5].strip() == "FLOPs / full" and all(len(line.split("|")) == 13 for line in md)
-    assert cells[("64", "snapkv")] == "-" and cells[("64", "full")] == "1.00" and float(cells[("64", "proxykv")]) > 1
+    assert cells[("64", "full")] == "1.00" and float(cells[("64", "proxykv")]) > 1 and float(cells[("64", "kvzip")]) > 2
 
 
 def test_bench_fresh_memory(tmp_path, capsys, monkeypatch):

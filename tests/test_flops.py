@@ -5,7 +5,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from proxykv_hf.bench.flops import causal_pairs, decoder_flops, mapper_flops, prefill_flops
+from proxykv_hf.bench.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_template_tokens, mapper_flops,
+                                     prefill_flops, snapkv_flops)
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import decoder_of, layer_subset
 from proxykv_hf.testing import FAMILIES, tiny_config, tiny_model
@@ -114,3 +115,74 @@ def test_flops_reject_what_they_cannot_count():
 
     with pytest.raises(ValueError, match="gated-MLP"):
         decoder_flops(GPT2Config(), 10)
+
+
+def _kvzip_setup(chunk_size):
+    from proxykv_hf.scorers.kvzip import KVzipScorer
+    from proxykv_hf.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    return tok, kvzip_template_tokens(KVzipScorer(tok, chunk_size=chunk_size))
+
+
+@pytest.mark.parametrize("n, chunk_size", [(33, 2048), (70, 32), (100, 40)])
+def test_kvzip_flops_equal_torch_counter(n, chunk_size):
+    """KVzip's prefill, repeat forwards (one chunk, several, a short last one) and scoring, as counted by torch."""
+    from proxykv_hf.scorers.kvzip import kvzip_scores
+
+    model = tiny_model("llama", attn_implementation="eager", **SHAPE)
+    tok, (first, later) = _kvzip_setup(chunk_size)
+    ids = torch.randint(5, 100, (1, n))
+    counted = _counted(model, lambda m: kvzip_scores(m, ids, tokenizer=tok, chunk_size=chunk_size))
+    prefill = decoder_flops(model.config, n, causal=False)
+    ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, causal=False)
+    assert prefill["linear"] + prefill["attention"] + ours["repeat"] + ours["scoring"] == counted
+    causal = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size)
+    assert causal["scoring"] == ours["scoring"] and causal["repeat"] < ours["repeat"]
+
+
+def test_kvzip_iam_flops_on_a_layer_subset_equal_torch_counter():
+    """KVzip+IAM runs KVzip on every third layer of the target: its proxy prefill and KVzip, layers [2, 3]... as
+    counted by torch."""
+    from proxykv_hf.scorers.iam import KVzipIAMScorer
+
+    model = tiny_model("llama", attn_implementation="eager", num_hidden_layers=5, **SHAPE)
+    n, chunk_size = 60, 32
+    tok, (first, later) = _kvzip_setup(chunk_size)
+    scorer = KVzipIAMScorer(tok, chunk_size=chunk_size)
+    ids = torch.randint(5, 100, (1, n))
+    counted = _counted(model, lambda m: scorer.proxy_scores(m, ids))
+    layers = [2, 4]  # every third of five, and the last
+    proxy = decoder_flops(model.config, n, layers=layers, causal=False)
+    ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, causal=False,
+                       layers=layers)
+    assert proxy["linear"] + proxy["attention"] + ours["repeat"] + ours["scoring"] == counted
+
+
+def test_snapkv_flops_equal_torch_counter():
+    """A SnapKV prefill through the cache: the target's prefill and the window's attention sums, every layer."""
+    from proxykv_hf.cache import ProxyKVCache
+    from proxykv_hf.scorers import SnapKVScorer
+
+    model = tiny_model("llama", attn_implementation="eager", **SHAPE)
+    n = 100
+    ids = torch.randint(5, 100, (1, n))
+
+    def prefill(m):
+        cache = ProxyKVCache(SnapKVScorer(window=16), keep_ratio=0.5).prepare(m, ids)
+        m.model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+    counted = _counted(model, prefill)
+    whole = decoder_flops(model.config, n, causal=False)
+    assert whole["linear"] + whole["attention"] + snapkv_flops(model.config, n, 16, causal=False) == counted
+    assert snapkv_flops(model.config, n, 16) < snapkv_flops(model.config, n, 16, causal=False)
+
+
+def test_kvzip_flops_refuse_sliding_windows_and_the_table_marks_uncounted_rows():
+    from proxykv_hf.bench.run import table
+
+    with pytest.raises(ValueError, match="sliding-window"):
+        kvzip_flops(tiny_config("gemma3"), 40, first_extra=3, later_extra=5)
+    row = {"context": 8, "method": "x", "ttft_s": 1.0, "ttft_vs_full": 1.0, "peak_prefill_bytes": 0, "peak_vs_full": 1.0,
+           "kv_bytes": 0}
+    assert table([row]).splitlines()[2].split("|")[5].strip() == "-"

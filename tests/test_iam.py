@@ -55,3 +55,15 @@ def test_layer_subset_is_renumbered_and_shares_weights(target):
         layer_subset(target, [3, 1])
     with pytest.raises(ValueError, match="out of range"):
         layer_subset(target, [0, 9])
+
+
+def test_layer_subset_proxy_scores_on_a_model_not_yet_opted_in():
+    """proxy_scores may be the first thing a fresh target runs: the subset's attention (the target's own modules,
+    reading the target's config) must still reach KVzip's recorder, and give the subset's own KVzip scores."""
+    tok = tiny_tokenizer()
+    inputs = random_prompt(1, 40, seed=4)
+    fresh = tiny_model("llama", num_hidden_layers=6)
+    scores = KVzipIAMScorer(tok, layers=[1, 4], chunk_size=32).proxy_scores(fresh, **inputs)
+    want = kvzip_scores(layer_subset(tiny_model("llama", num_hidden_layers=6), [1, 4]), inputs["input_ids"],
+                        tokenizer=tok, chunk_size=32)
+    assert scores.shape == (2, 1, 2, 40) and torch.allclose(scores, want)

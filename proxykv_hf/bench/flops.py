@@ -75,6 +75,59 @@ def decoder_flops(config, n: int, *, layers: list[int] | None = None, causal: bo
     return {"linear": 2 * n * per_token * len(chosen), "attention": 2 * qk, "qk": qk}
 
 
+def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, chunk_size: int = 2048, n_sink: int = 4,
+                query_block: int = 128, causal: bool = True, layers: list[int] | None = None) -> dict[str, int]:
+    """FLOPs of KVzip's scoring after the prefill (:class:`~proxykv_hf.scorers.kvzip.KVzipScorer`): one repeat
+    forward per ``chunk_size`` context tokens over the whole context, and the scoring softmax of every layer.
+
+    Args:
+        config: the target's config (no sliding-window layers: the repeat's key ranges there are not counted).
+        n: context tokens.
+        first_extra: template tokens of the first chunk's repeat input (prompt + postfix).
+        later_extra: template tokens of every later chunk's (prompt + quoted tail of the previous chunk + postfix).
+        chunk_size, n_sink: as in ``KVzipScorer``.
+        query_block: repeat queries per scoring block (``kvzip._QUERY_BLOCK``).
+        causal: count each repeat token's keys as the mask shows them (the context and the repeat up to itself);
+            False counts the dense rectangle an eager attention computes.
+        layers: only these layers run and are scored (KVzip+IAM on a layer subset); None = all.
+
+    Returns:
+        ``{"repeat": ..., "scoring": ...}``: the repeat forwards (linear layers and attention) and the scoring
+        matmuls.
+    """
+    chosen = list(range(config.num_hidden_layers)) if layers is None else list(layers)
+    if any(_layer_window(config, i) for i in chosen):
+        raise ValueError("KVzip FLOP counts cover models without sliding-window layers")
+    heads, _, head_dim = attention_shape(config)
+    repeat = scoring = 0
+    for i, start in enumerate(range(0, n, chunk_size)):
+        length = min(chunk_size, n - start)
+        q = (first_extra if i == 0 else later_extra) + length
+        pairs = q * n + (q * (q + 1) // 2 if causal else q * q)
+        forward = decoder_flops(config, q, layers=chosen)  # the linear layers of q tokens
+        repeat += forward["linear"] + len(chosen) * 4 * heads * head_dim * pairs
+        keys = min(n_sink, start) + length  # the sinks and the chunk, then the repeat keys up to the block's end
+        scoring += len(chosen) * sum(2 * heads * head_dim * (min(q0 + query_block, q) - q0) * (keys + min(q0 + query_block, q))
+                                for q0 in range(0, q, query_block))
+    return {"repeat": repeat, "scoring": scoring}
+
+
+def kvzip_template_tokens(scorer, tokenizer=None) -> tuple[int, int]:
+    """``(first_extra, later_extra)`` of :func:`kvzip_flops` for a ``KVzipScorer`` and its tokenizer."""
+    first, later, postfix = scorer.templates(tokenizer or scorer.tokenizer)
+    quoted = min(scorer.prev_postfix_size, scorer.chunk_size)
+    return len(first) + len(postfix), len(later) + quoted + len(postfix)
+
+
+def snapkv_flops(config, n: int, window: int = 64, *, causal: bool = True) -> int:
+    """FLOPs of SnapKV's scoring: ``Q K^T`` of the last ``window`` queries over the keys they see, every layer
+    (``causal=False``: the whole ``window x n`` block, as the chunked PyTorch path computes it in one chunk)."""
+    heads, _, head_dim = attention_shape(config)
+    w = min(window, n)
+    pairs = w * n - (w * (w - 1) // 2 if causal else 0)
+    return config.num_hidden_layers * 2 * heads * head_dim * pairs
+
+
 def mapper_flops(config: MapperConfig, n: int) -> int:
     """FLOPs of the mapper in eval mode on ``n`` tokens: stages 1-2 once per distinct paired proxy layer (each
     token through the encoder once per window covering it), stage 3 once per proxy layer (per target layer with a

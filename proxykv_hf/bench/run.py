@@ -11,8 +11,8 @@ what earlier prefills left in the allocator's heap; ``fresh_memory`` measures ea
 static buffers (``graph.py``: eager decoding is host-bound there, whatever the cache size), and the eager figure is
 kept beside it.
 
-Rows of the full cache and of ProxyKV also carry their matmul FLOPs (``flops.py``) and ``flops_vs_full``: the
-TTFT ratio one device could reach were every kernel as efficient as the target's prefill.
+Rows also carry their matmul FLOPs by part (``flops.py``) and ``flops_vs_full``: the TTFT ratio one device could
+reach were every kernel as efficient as the target's prefill.
 
 On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's: with torch 2.11 + CUDA
 13 on an H100, cuDNN attention spent ~2 ms of host time per call on one-token queries (a new plan for every new
@@ -33,9 +33,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..cache import ProxyKVCache
+from ..scorers.kvzip import KVzipScorer
 from ..scoring import recomputations
 from ..selection import select_topk
-from .flops import GATED_MLP_FAMILIES, attention_shape, prefill_flops
+from .flops import (GATED_MLP_FAMILIES, attention_shape, decoder_flops, kvzip_flops, kvzip_template_tokens,
+                    prefill_flops, snapkv_flops)
 
 logger = logging.getLogger(__name__)
 
@@ -224,14 +226,40 @@ class Bench:
         return out
 
     def _flops(self, method: str, n: int) -> dict | None:
-        """Matmul FLOPs of one ``n``-token prefill by part (:func:`~proxykv_hf.bench.flops.prefill_flops`), for the
-        full cache and ProxyKV; None for other methods and for families the counts do not cover. The statistics
-        count the recomputations of ``Q K^T`` that this device's path runs (:func:`scoring.recomputations`)."""
-        if method not in ("full", "proxykv") or self.model.config.model_type not in GATED_MLP_FAMILIES:
+        """Matmul FLOPs of one ``n``-token prefill with ``method`` by part (:mod:`proxykv_hf.bench.flops`): the
+        target's prefill, and what the method adds (a proxy's forward, statistics, KVzip's repeat forwards and
+        scoring, the mapper), with ``"total"``; None where the counts do not cover the models. Statistics count the
+        recomputations of ``Q K^T`` that this device's path runs (:func:`scoring.recomputations`)."""
+        config = self.model.config
+        if config.model_type not in GATED_MLP_FAMILIES:
             return None
-        if method == "full":
-            return prefill_flops(self.model.config, n)
-        scorer = self.scorers["proxykv"]
+        target = prefill_flops(config, n)["target"]
+        scorer = self.scorers.get(method)
+        try:
+            if method == "full":
+                parts = {}
+            elif method == "snapkv":
+                parts = {"statistics": snapkv_flops(config, n, scorer.window)}
+            elif method == "kvzip":
+                first, later = kvzip_template_tokens(scorer)
+                parts = kvzip_flops(config, n, first_extra=first, later_extra=later, chunk_size=scorer.chunk_size,
+                                    n_sink=scorer.n_sink)
+            elif method == "kvzip_iam":
+                runner = scorer._runner(self.model).config
+                if runner.model_type not in GATED_MLP_FAMILIES:
+                    return None
+                proxy = decoder_flops(runner, n)
+                first, later = kvzip_template_tokens(KVzipScorer(scorer.tokenizer, chunk_size=scorer.chunk_size))
+                parts = {"proxy": proxy["linear"] + proxy["attention"],
+                         **kvzip_flops(runner, n, first_extra=first, later_extra=later, chunk_size=scorer.chunk_size,
+                                       n_sink=scorer.n_sink)}
+            else:
+                return self._proxykv_flops(scorer, n)
+        except ValueError:  # e.g. sliding-window layers under KVzip
+            return None
+        return {"target": target, **parts, "total": target + sum(parts.values())}
+
+    def _proxykv_flops(self, scorer, n: int) -> dict | None:
         runner = scorer.proxy_model if scorer.spec.kind == "model" else self.model
         if runner.config.model_type not in GATED_MLP_FAMILIES:
             return None
