@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from proxykv_hf.bench.flops import prefill_flops
+from proxykv_hf.bench.flops import decoder_flops, kvzip_flops, kvzip_template_tokens, prefill_flops
 from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config, shape_config
+from proxykv_hf.scorers.kvzip import KVzipScorer
+from proxykv_hf.testing import tiny_tokenizer
 
 TERA = 1e12
 
@@ -28,16 +30,51 @@ def flops(shape: str, n: int, statistics_passes: int) -> dict[str, int]:
                          mapper_config=pair_mapper_config(shape), statistics_passes=statistics_passes)
 
 
+def kvzip_total(shape: str, n: int, on_proxy: bool = False) -> int:
+    """FLOPs of a KVzip prefill on the target of ``shape``, or of KVzip+IAM (KVzip on its proxy), with the default
+    chunking and the repeat templates of the tiny tokenizer that ``proxykv bench --shape`` runs with."""
+    target = shape_config(shape)
+    scored = shape_config(PAIRS[shape]) if on_proxy else target
+    first, later = kvzip_template_tokens(KVzipScorer(tiny_tokenizer()))
+    extra = kvzip_flops(scored, n, first_extra=first, later_extra=later)
+    proxy = decoder_flops(scored, n) if on_proxy else {"linear": 0, "attention": 0}
+    return (prefill_flops(target, n)["target"] + proxy["linear"] + proxy["attention"] + extra["repeat"]
+            + extra["scoring"])
+
+
 def budget_table(shape: str, lengths: list[int], statistics_passes: int) -> list[str]:
     lines = [f"{shape} target, {PAIRS[shape]} proxy, paper-preset mapper, {statistics_passes} recomputation(s) of "
-             "Q K^T per proxy layer for the statistics (TFLOP; ratios to the full prefill):", "",
-             "| context | full prefill | proxy forward | statistics | mapper | ProxyKV | FLOPs / full |",
-             "|---|---|---|---|---|---|---|"]
+             "Q K^T per proxy layer for the statistics (TFLOP; ratios to the full prefill); KVzip and KVzip+IAM "
+             "(KVzip on the proxy) as ratios:", "",
+             "| context | full prefill | proxy forward | statistics | mapper | ProxyKV | FLOPs / full | "
+             "KVzip / full | KVzip+IAM / full | KVzip / ProxyKV |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n in lengths:
         f = flops(shape, n, statistics_passes)
         part = lambda k: f"{f[k] / TERA:.1f} ({f[k] / f['target']:.3f})"  # noqa: E731
+        kvzip = kvzip_total(shape, n)
         lines.append(f"| {n} | {f['target'] / TERA:.1f} | {part('proxy')} | {part('statistics')} | {part('mapper')} | "
-                     f"{f['total'] / TERA:.1f} | {f['total'] / f['target']:.3f} |")
+                     f"{f['total'] / TERA:.1f} | {f['total'] / f['target']:.3f} | {kvzip / f['target']:.3f} | "
+                     f"{kvzip_total(shape, n, on_proxy=True) / f['target']:.3f} | {kvzip / f['total']:.3f} |")
+    return lines
+
+
+def methods_table(path: str, statistics_passes: int) -> list[str]:
+    """Every counted method's measured TTFT ratio against its FLOP ratio, and the rate of its whole prefill."""
+    data = json.load(open(path))
+    shape = data["env"].get("shape")
+    lines = [f"{path}: TTFT against FLOPs per method ({shape}; ProxyKV's statistics with {statistics_passes} "
+             "recomputation(s)):", "", "| context | method | TTFT / full | FLOPs / full | TFLOP/s |", "|---|---|---|---|---|"]
+    for row in data["rows"]:
+        n, method = row["context"], row["method"]
+        total = {"full": lambda: prefill_flops(shape_config(shape), n)["target"],
+                 "proxykv": lambda: flops(shape, n, statistics_passes)["total"],
+                 "kvzip": lambda: kvzip_total(shape, n),
+                 "kvzip_iam": lambda: kvzip_total(shape, n, on_proxy=True)}.get(method)
+        if total is None:
+            continue
+        total, full = total(), prefill_flops(shape_config(shape), n)["target"]
+        lines.append(f"| {n} | {method} | {row['ttft_vs_full']:.2f} | {total / full:.2f} | "
+                     f"{total / row['ttft_s'] / TERA:.0f} |")
     return lines
 
 
@@ -111,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         lines += budget_table(shape, ns.context_lengths, ns.statistics_passes) + [""]
     for path in ns.bench:
         lines += measured_table(path, ns.bench_statistics_passes, ns.statistics_passes) + [""]
+        lines += methods_table(path, ns.bench_statistics_passes) + [""]
     print("\n".join(lines).rstrip())
     if ns.plot:
         plot(ns.context_lengths, ns.statistics_passes, ns.bench, ns.plot, ns.target)

@@ -283,3 +283,32 @@ def test_bad_inputs(tok, llama):
         kvzip_scores(llama, **empty, tokenizer=tok)
     with pytest.raises(ValueError, match="input_ids"):  # needs ids: embeddings alone are refused by the cache
         ProxyKVCache(KVzipScorer(tok), keep_ratio=0.5).prepare(llama, inputs_embeds_shape=(1, 20))
+
+
+@pytest.mark.parametrize("lengths", [None, [40, 30]])
+def test_unpadded_repeat_attention_is_said_causal(tok, lengths, monkeypatch):
+    """Without padding, every scored layer's repeat attention goes to sdpa as a lower-right causal bias (a flash
+    kernel may run it on CUDA), with padding as the materialised mask; the scores equal the materialised mask's."""
+    from torch.nn.attention.bias import CausalBias
+
+    model = tiny_model("llama")
+    inputs = random_prompt(2, 40, lengths=lengths, seed=3)
+    handed = []
+    real = kvzip_module._LayerCall.before
+
+    def spy(self, module, mask, query, key):
+        out = real(self, module, mask, query, key)
+        handed.append(type(out).__name__)
+        if isinstance(out, CausalBias):  # lower-right: the last query sees every key
+            assert (out.seq_len_q, out.seq_len_kv) == (query.shape[2], key.shape[2])
+            assert torch.equal(out._materialize(), mask[0, 0]) and bool((mask == mask[:1]).all())  # every row
+        return out
+
+    monkeypatch.setattr(kvzip_module._LayerCall, "before", spy)
+    got = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
+    L = model.config.num_hidden_layers  # three rounds of chunks of 16 over 40 tokens, every layer
+    # padded: rounds 0 and 1 include the 30-token row (left padded), round 2 holds the 40-token row alone
+    assert handed == ["CausalBias"] * 3 * L if lengths is None else ["Tensor"] * 2 * L + ["CausalBias"] * L
+    monkeypatch.setattr(kvzip_module._LayerCall, "before", lambda self, module, mask, query, key: mask)
+    dense = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
+    torch.testing.assert_close(got, dense, rtol=0, atol=1e-6)

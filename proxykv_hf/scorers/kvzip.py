@@ -227,6 +227,7 @@ class KVzipScorer(Scorer):
                     T=T, n_sink=min(self.n_sink, c * self.chunk_size), pad=pad[row_idx],
                     starts=pad[row_idx] + c * self.chunk_size, rep_valid=rep_valid, dtype=self.dtype or torch.float32,
                     lengths=torch.tensor([e - s for s, e, _ in chunks], device=device),
+                    unpadded=bool(valid[row_idx].all()) and bool(rep_valid.all()),
                 )
                 temp = _RepeatCache(context_layers, None if len(rows) == B else row_idx, T,
                                     {i: _LayerCall(record, i) for i in layers})
@@ -307,6 +308,14 @@ class _LayerCall:
     def before(self, module, attention_mask, query, key):
         if getattr(module, "layer_idx", self.layer_idx) != self.layer_idx:
             raise RuntimeError(f"KVzip hand-off for layer {self.layer_idx} reached layer {module.layer_idx}")
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if self.record.unpadded and attention_mask is not None and impl == attention.PREFIX + "sdpa":
+            # no padding anywhere: the mask is the whole context plus the repeat up to each query, i.e. causal
+            # aligned to the last key. Said as such, sdpa may run a flash kernel (a materialised mask rules flash
+            # out on CUDA); elsewhere it materialises the same mask itself.
+            from torch.nn.attention.bias import causal_lower_right
+
+            return causal_lower_right(query.shape[2], key.shape[2])
         return attention_mask
 
     def after(self, module, query, key, value, attention_mask, scaling):
@@ -316,9 +325,10 @@ class _LayerCall:
 class _ChunkRecorder:
     """The chunk of one repeat forward (rows ``R``) and the scores it produced per layer, `(R, H_kv, L_max)`."""
 
-    def __init__(self, *, T, n_sink, pad, starts, lengths, rep_valid, dtype):
+    def __init__(self, *, T, n_sink, pad, starts, lengths, rep_valid, dtype, unpadded=False):
         self.T, self.n_sink, self.starts, self.lengths, self.rep_valid, self.dtype = \
             T, n_sink, starts, lengths, rep_valid, dtype
+        self.unpadded = unpadded  # no padding in the context or the repeat rows: the mask is plain causal
         L_max = int(lengths.max())
         device = starts.device
         sink_pos = pad[:, None] + torch.arange(n_sink, device=device)  # (R, S)
