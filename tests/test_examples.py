@@ -155,10 +155,12 @@ def test_flop_budget(tmp_path, capsys):
     from proxykv_hf.bench.shapes import pair_mapper_config, shape_config
 
     bench = tmp_path / "bench.json"
-    row = {"context": 8192, "method": "proxykv", "ttft_vs_full": 1.9,
+    row = {"context": 8192, "method": "proxykv", "ttft_vs_full": 1.9, "ttft_s": 0.38,
            "breakdown": {"proxy_s": 0.5, "mapper_s": 0.25, "target_prefill_s": 0.2}}
-    bench.write_text(json.dumps({"env": {"shape": "llama-3.1-8b", "device": "X"},
-                                 "rows": [{"context": 8192, "method": "full"}, row]}))
+    rows = [{"context": 8192, "method": "full", "ttft_s": 0.2, "ttft_vs_full": 1.0}, row,
+            {"context": 8192, "method": "snapkv", "ttft_s": 0.21, "ttft_vs_full": 1.05},
+            {"context": 8192, "method": "kvzip", "ttft_s": 1.0, "ttft_vs_full": 5.0}]
+    bench.write_text(json.dumps({"env": {"shape": "llama-3.1-8b", "device": "X"}, "rows": rows}))
     example("flop_budget").main(["--context-lengths", "8192", "--bench", str(bench), "--plot",
                                  str(tmp_path / "floor.png"), "--target", "1.15"])
     assert (tmp_path / "floor.png").stat().st_size > 0
@@ -172,6 +174,18 @@ def test_flop_budget(tmp_path, capsys):
     measured = [line for line in out.splitlines() if line.startswith("| 8192 | 1.90 |")]
     assert measured == [f"| 8192 | 1.90 | {floor['total'] / floor['target']:.2f} | {ran['target'] / 0.2e12:.0f} | "
                         f"{(ran['proxy'] + ran['statistics']) / 0.5e12:.0f} | {ran['mapper'] / 0.25e12:.0f} |"]
+    # every counted method's TTFT against its FLOPs (SnapKV is not counted here); KVzip with the bench's templates
+    from proxykv_hf.bench.flops import kvzip_flops, kvzip_template_tokens
+    from proxykv_hf.scorers.kvzip import KVzipScorer
+    from proxykv_hf.testing import tiny_tokenizer
+
+    first, later = kvzip_template_tokens(KVzipScorer(tiny_tokenizer()))
+    kv = kvzip_flops(target, 8192, first_extra=first, later_extra=later)
+    kvzip = floor["target"] + kv["repeat"] + kv["scoring"]
+    methods = [line for line in out.splitlines() if line.startswith("| 8192 | ") and line.count("|") == 6]
+    assert methods == [f"| 8192 | full | 1.00 | 1.00 | {floor['target'] / 0.2e12:.0f} |",
+                       f"| 8192 | proxykv | 1.90 | {ran['total'] / floor['target']:.2f} | {ran['total'] / 0.38e12:.0f} |",
+                       f"| 8192 | kvzip | 5.00 | {kvzip / floor['target']:.2f} | {kvzip / 1e12:.0f} |"]
 
 
 def test_shape_setup_builds_the_pair_and_its_paper_mapper(tmp_path):
