@@ -103,3 +103,36 @@ def test_train_bf16_autocast(tmp_path):
         assert next(ckpt.mapper.parameters()).dtype == torch.float32  # autocast: float32 master weights saved
     bf16, fp32 = runs["bf16"][0].metrics, runs["no"][0].metrics
     assert abs(bf16["topk_recall@0.3"] - fp32["topk_recall@0.3"]) < 0.1, (bf16, fp32)
+
+
+def _kvzip_on(device: str, dtype: torch.dtype, lengths, dense: bool, monkeypatch) -> torch.Tensor:
+    """KVzip scores of a tiny Llama on ``device``; ``dense``: the repeat attention with the materialised mask (as
+    before the lower-right causal bias)."""
+    from proxykv_hf.scorers import kvzip
+    from proxykv_hf.testing import tiny_tokenizer
+
+    with monkeypatch.context() as patch:
+        if dense:
+            patch.setattr(kvzip._LayerCall, "before", lambda self, module, mask, query, key: mask)
+        model = tiny_model("llama", num_hidden_layers=3, dtype=dtype).to(device)
+        inputs = random_prompt(2, 96, lengths=lengths, seed=5)
+        return kvzip.kvzip_scores(model, **{k: v.to(device) for k, v in inputs.items()}, tokenizer=tiny_tokenizer(),
+                                  chunk_size=40).cpu()
+
+
+@pytest.mark.parametrize("lengths", [None, [96, 70]])
+def test_kvzip_on_cuda_matches_cpu(monkeypatch, lengths):
+    """KVzip on CUDA (its unpadded repeat attention through the lower-right causal bias, padded through the mask)
+    gives the CPU's scores in float32, and in bfloat16 (where a flash kernel may take the bias) the scores of the
+    materialised mask within bfloat16 noise, with the same kept sets almost everywhere."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    cpu = _kvzip_on("cpu", torch.float32, lengths, False, monkeypatch)
+    cuda = _kvzip_on("cuda", torch.float32, lengths, False, monkeypatch)
+    torch.testing.assert_close(cuda, cpu, atol=1e-4, rtol=1e-3)
+    bias = _kvzip_on("cuda", torch.bfloat16, lengths, False, monkeypatch)
+    mask = _kvzip_on("cuda", torch.bfloat16, lengths, True, monkeypatch)
+    torch.testing.assert_close(bias, mask, atol=3e-2, rtol=0)
+    from proxykv_hf.selection import select_topk
+
+    for a, b in zip(bias, mask):  # per layer: (B, H_kv, T); row 0 is unpadded in both cases
+        assert _overlap(select_topk(a[:1], 0.3)[0], select_topk(b[:1], 0.3)[0]) > 0.9
