@@ -63,7 +63,8 @@ def methods_table(path: str, statistics_passes: int) -> list[str]:
     data = json.load(open(path))
     shape = data["env"].get("shape")
     lines = [f"{path}: TTFT against FLOPs per method ({shape}; ProxyKV's statistics with {statistics_passes} "
-             "recomputation(s)):", "", "| context | method | TTFT / full | FLOPs / full | TFLOP/s |", "|---|---|---|---|---|"]
+             "recomputation(s)):", "", "| context | method | TTFT / full | FLOPs / full | TFLOP/s |",
+             "|---|---|---|---|---|"]
     for row in data["rows"]:
         n, method = row["context"], row["method"]
         total = {"full": lambda: prefill_flops(shape_config(shape), n)["target"],

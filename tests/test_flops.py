@@ -11,8 +11,8 @@ from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import decoder_of, layer_subset
 from proxykv_hf.testing import FAMILIES, tiny_config, tiny_model
 
-# head_dim 24 is not hidden / heads (8), 3 KV heads for 6 query heads, an MLP 3x wide: a formula that mixes up any two of
-# these sizes gives another count
+# head_dim 24 is not hidden / heads (8), 3 KV heads for 6 query heads, an MLP 3x wide: a formula that mixes up any two
+# of these sizes gives another count
 SHAPE = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=24, intermediate_size=3 * 48)
 
 
@@ -183,6 +183,6 @@ def test_kvzip_flops_refuse_sliding_windows_and_the_table_marks_uncounted_rows()
 
     with pytest.raises(ValueError, match="sliding-window"):
         kvzip_flops(tiny_config("gemma3"), 40, first_extra=3, later_extra=5)
-    row = {"context": 8, "method": "x", "ttft_s": 1.0, "ttft_vs_full": 1.0, "peak_prefill_bytes": 0, "peak_vs_full": 1.0,
-           "kv_bytes": 0}
+    row = {"context": 8, "method": "x", "ttft_s": 1.0, "ttft_vs_full": 1.0, "peak_prefill_bytes": 0,
+           "peak_vs_full": 1.0, "kv_bytes": 0}
     assert table([row]).splitlines()[2].split("|")[5].strip() == "-"

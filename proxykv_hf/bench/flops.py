@@ -107,8 +107,9 @@ def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, chunk_siz
         forward = decoder_flops(config, q, layers=chosen)  # the linear layers of q tokens
         repeat += forward["linear"] + len(chosen) * 4 * heads * head_dim * pairs
         keys = min(n_sink, start) + length  # the sinks and the chunk, then the repeat keys up to the block's end
-        scoring += len(chosen) * sum(2 * heads * head_dim * (min(q0 + query_block, q) - q0) * (keys + min(q0 + query_block, q))
-                                for q0 in range(0, q, query_block))
+        ends = [min(q0 + query_block, q) for q0 in range(0, q, query_block)]
+        scoring += len(chosen) * sum(2 * heads * head_dim * (end - q0) * (keys + end)
+                                     for q0, end in zip(range(0, q, query_block), ends))
     return {"repeat": repeat, "scoring": scoring}
 
 
