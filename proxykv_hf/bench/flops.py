@@ -16,6 +16,9 @@ models (with attention counted dense, as that counter does).
   per-key statistics (:func:`proxykv_hf.scoring.recomputations`: none on the chunked PyTorch path, which computes
   each chunk's probabilities once for the attention and the statistics; one where flash attention supplies the
   row log-sum-exp; two with sdpa and both fused passes), plus the mapper.
+* snapkv: the full prefill, plus ``Q K^T`` of the observation window's queries.
+* kvzip: the full prefill, plus one repeat forward per chunk over the whole context, plus the scoring softmax's
+  matmuls; kvzip_iam: the same KVzip on the proxy, after the proxy's own prefill.
 """
 
 from __future__ import annotations
