@@ -67,13 +67,17 @@ def methods_table(path: str, statistics_passes: int) -> list[str]:
              "|---|---|---|---|---|"]
     for row in data["rows"]:
         n, method = row["context"], row["method"]
-        total = {"full": lambda: prefill_flops(shape_config(shape), n)["target"],
+        count = {"full": lambda: prefill_flops(shape_config(shape), n)["target"],
                  "proxykv": lambda: flops(shape, n, statistics_passes)["total"],
                  "kvzip": lambda: kvzip_total(shape, n),
                  "kvzip_iam": lambda: kvzip_total(shape, n, on_proxy=True)}.get(method)
-        if total is None:
+        if row.get("flops"):  # rows since the fourteenth session carry their own counts
+            total = row["flops"]["total"]
+        elif count is not None:
+            total = count()
+        else:
             continue
-        total, full = total(), prefill_flops(shape_config(shape), n)["target"]
+        full = prefill_flops(shape_config(shape), n)["target"]
         lines.append(f"| {n} | {method} | {row['ttft_vs_full']:.2f} | {total / full:.2f} | "
                      f"{total / row['ttft_s'] / TERA:.0f} |")
     return lines
@@ -94,7 +98,7 @@ def measured_table(path: str, statistics_passes: int, floor_passes: int) -> list
         if row["method"] != "proxykv" or b is None:
             continue
         n = row["context"]
-        ran, floor = flops(shape, n, statistics_passes), flops(shape, n, floor_passes)
+        ran, floor = row.get("flops") or flops(shape, n, statistics_passes), flops(shape, n, floor_passes)
         side = (ran["proxy"] + ran["statistics"]) / b["proxy_s"]
         lines.append(f"| {n} | {row['ttft_vs_full']:.2f} | {floor['total'] / floor['target']:.2f} | "
                      f"{ran['target'] / b['target_prefill_s'] / TERA:.0f} | {side / TERA:.0f} | "
@@ -139,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="Q K^T recomputations per proxy layer in the floor (1: the flash path's pass 2 alone)")
     p.add_argument("--bench", nargs="*", default=[], help="proxykv bench JSON files of the real shapes")
     p.add_argument("--bench-statistics-passes", type=int, default=2,
-                   help="what the runs in --bench executed (2: sdpa + both fused passes, before the thirteenth "
-                        "session's flash path)")
+                   help="what the runs in --bench executed, for rows without their own FLOP counts (2: sdpa + both "
+                        "fused passes, before the thirteenth session's flash path)")
     p.add_argument("--plot", default=None, help="write a plot of the floors and the measured ratios here")
     p.add_argument("--target", type=float, default=None, help="a TTFT ratio to draw on the plot")
     ns = p.parse_args(argv)

@@ -159,6 +159,8 @@ def test_flop_budget(tmp_path, capsys):
            "breakdown": {"proxy_s": 0.5, "mapper_s": 0.25, "target_prefill_s": 0.2}}
     rows = [{"context": 8192, "method": "full", "ttft_s": 0.2, "ttft_vs_full": 1.0}, row,
             {"context": 8192, "method": "snapkv", "ttft_s": 0.21, "ttft_vs_full": 1.05},
+            {"context": 8192, "method": "streaming", "ttft_s": 0.25, "ttft_vs_full": 1.25,
+             "flops": {"target": 1, "total": 0.5e12}},  # a row with its own counts (bench rows since session 14)
             {"context": 8192, "method": "kvzip", "ttft_s": 1.0, "ttft_vs_full": 5.0}]
     bench.write_text(json.dumps({"env": {"shape": "llama-3.1-8b", "device": "X"}, "rows": rows}))
     example("flop_budget").main(["--context-lengths", "8192", "--bench", str(bench), "--plot",
@@ -174,7 +176,7 @@ def test_flop_budget(tmp_path, capsys):
     measured = [line for line in out.splitlines() if line.startswith("| 8192 | 1.90 |")]
     assert measured == [f"| 8192 | 1.90 | {floor['total'] / floor['target']:.2f} | {ran['target'] / 0.2e12:.0f} | "
                         f"{(ran['proxy'] + ran['statistics']) / 0.5e12:.0f} | {ran['mapper'] / 0.25e12:.0f} |"]
-    # every counted method's TTFT against its FLOPs (SnapKV is not counted here); KVzip with the bench's templates
+    # every counted method's TTFT against its FLOPs (SnapKV's old row has no counts); KVzip with the bench's templates
     from proxykv_hf.bench.flops import kvzip_flops, kvzip_template_tokens
     from proxykv_hf.scorers.kvzip import KVzipScorer
     from proxykv_hf.testing import tiny_tokenizer
@@ -186,6 +188,7 @@ def test_flop_budget(tmp_path, capsys):
     assert methods == [f"| 8192 | full | 1.00 | 1.00 | {floor['target'] / 0.2e12:.0f} |",
                        f"| 8192 | proxykv | 1.90 | {ran['total'] / floor['target']:.2f} | "
                        f"{ran['total'] / 0.38e12:.0f} |",
+                       f"| 8192 | streaming | 1.25 | {0.5e12 / floor['target']:.2f} | 2 |",
                        f"| 8192 | kvzip | 5.00 | {kvzip / floor['target']:.2f} | {kvzip / 1e12:.0f} |"]
 
 
