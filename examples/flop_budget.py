@@ -14,9 +14,10 @@ includes its first call's set-up).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
-from proxykv_hf.bench.flops import decoder_flops, kvzip_flops, kvzip_template_tokens, prefill_flops
+from proxykv_hf.bench.flops import kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
 from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config, shape_config
 from proxykv_hf.scorers.kvzip import KVzipScorer
 from proxykv_hf.testing import tiny_tokenizer
@@ -30,16 +31,18 @@ def flops(shape: str, n: int, statistics_passes: int) -> dict[str, int]:
                          mapper_config=pair_mapper_config(shape), statistics_passes=statistics_passes)
 
 
+@functools.cache
+def bench_templates() -> tuple[int, int]:
+    """KVzip's repeat-template sizes with the tiny tokenizer that ``proxykv bench --shape`` runs with."""
+    return kvzip_template_tokens(KVzipScorer(tiny_tokenizer()))
+
+
 def kvzip_total(shape: str, n: int, on_proxy: bool = False) -> int:
     """FLOPs of a KVzip prefill on the target of ``shape``, or of KVzip+IAM (KVzip on its proxy), with the default
-    chunking and the repeat templates of the tiny tokenizer that ``proxykv bench --shape`` runs with."""
-    target = shape_config(shape)
-    scored = shape_config(PAIRS[shape]) if on_proxy else target
-    first, later = kvzip_template_tokens(KVzipScorer(tiny_tokenizer()))
-    extra = kvzip_flops(scored, n, first_extra=first, later_extra=later)
-    proxy = decoder_flops(scored, n) if on_proxy else {"linear": 0, "attention": 0}
-    return (prefill_flops(target, n)["target"] + proxy["linear"] + proxy["attention"] + extra["repeat"]
-            + extra["scoring"])
+    chunking and the bench's repeat templates."""
+    first, later = bench_templates()
+    return kvzip_prefill_flops(shape_config(shape), n, first_extra=first, later_extra=later,
+                               scored_config=shape_config(PAIRS[shape]) if on_proxy else None)["total"]
 
 
 def budget_table(shape: str, lengths: list[int], statistics_passes: int) -> list[str]:

@@ -5,8 +5,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from proxykv_hf.bench.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_template_tokens, mapper_flops,
-                                     prefill_flops, snapkv_flops)
+from proxykv_hf.bench.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops, kvzip_template_tokens,
+                                     mapper_flops, prefill_flops, snapkv_flops)
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import decoder_of, layer_subset
 from proxykv_hf.testing import FAMILIES, tiny_config, tiny_model
@@ -157,6 +157,15 @@ def test_kvzip_iam_flops_on_a_layer_subset_equal_torch_counter():
     ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, causal=False,
                        layers=layers)
     assert proxy["linear"] + proxy["attention"] + ours["repeat"] + ours["scoring"] == counted
+    # the whole KVzip+IAM prefill, the subset's config standing for the proxy's (as layer_subset builds it)
+    sub = decoder_of(layer_subset(model, layers)).config
+    whole = kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later, scored_config=sub,
+                                chunk_size=chunk_size)
+    target, proxy = decoder_flops(model.config, n), decoder_flops(model.config, n, layers=layers)
+    causal = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, layers=layers)
+    assert whole == {"target": target["linear"] + target["attention"], "proxy": proxy["linear"] + proxy["attention"],
+                     **causal, "total": target["linear"] + target["attention"] + proxy["linear"]
+                     + proxy["attention"] + causal["repeat"] + causal["scoring"]}
 
 
 def test_snapkv_flops_equal_torch_counter():

@@ -110,10 +110,27 @@ def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, chunk_siz
         forward = decoder_flops(config, q, layers=chosen)  # the linear layers of q tokens
         repeat += forward["linear"] + len(chosen) * 4 * heads * head_dim * pairs
         keys = min(n_sink, start) + length  # the sinks and the chunk, then the repeat keys up to the block's end
-        ends = [min(q0 + query_block, q) for q0 in range(0, q, query_block)]
-        scoring += len(chosen) * sum(2 * heads * head_dim * (end - q0) * (keys + end)
-                                     for q0, end in zip(range(0, q, query_block), ends))
+        for q0 in range(0, q, query_block):
+            end = min(q0 + query_block, q)
+            scoring += len(chosen) * 2 * heads * head_dim * (end - q0) * (keys + end)
     return {"repeat": repeat, "scoring": scoring}
+
+
+def kvzip_prefill_flops(target_config, n: int, *, first_extra: int, later_extra: int, scored_config=None,
+                        chunk_size: int = 2048, n_sink: int = 4) -> dict[str, int]:
+    """FLOPs of one ``n``-token prefill with KVzip, or with KVzip+IAM where ``scored_config`` (the proxy's config,
+    or a layer subset's) is given: ``{"target", ["proxy",] "repeat", "scoring", "total"}``, the proxy's own prefill
+    counted under ``"proxy"``. Template sizes and chunking as in :func:`kvzip_flops`."""
+    target = decoder_flops(target_config, n)
+    parts = {"target": target["linear"] + target["attention"]}
+    scored = target_config
+    if scored_config is not None:
+        scored = scored_config
+        proxy = decoder_flops(scored, n)
+        parts["proxy"] = proxy["linear"] + proxy["attention"]
+    parts.update(kvzip_flops(scored, n, first_extra=first_extra, later_extra=later_extra, chunk_size=chunk_size,
+                             n_sink=n_sink))
+    return {**parts, "total": sum(parts.values())}
 
 
 def kvzip_template_tokens(scorer, tokenizer=None) -> tuple[int, int]:

@@ -36,8 +36,8 @@ from ..cache import ProxyKVCache
 from ..scorers.kvzip import KVzipScorer
 from ..scoring import recomputations
 from ..selection import select_topk
-from .flops import (GATED_MLP_FAMILIES, attention_shape, decoder_flops, kvzip_flops, kvzip_template_tokens,
-                    prefill_flops, snapkv_flops)
+from .flops import (GATED_MLP_FAMILIES, attention_shape, kvzip_prefill_flops, kvzip_template_tokens, prefill_flops,
+                    snapkv_flops)
 
 logger = logging.getLogger(__name__)
 
@@ -240,29 +240,21 @@ class Bench:
                 parts = {}
             elif method == "snapkv":
                 parts = {"statistics": snapkv_flops(config, n, scorer.window)}
-            elif method == "kvzip":
-                first, later = kvzip_template_tokens(scorer)
-                parts = kvzip_flops(config, n, first_extra=first, later_extra=later, chunk_size=scorer.chunk_size,
-                                    n_sink=scorer.n_sink)
-            elif method == "kvzip_iam":
-                runner = scorer._runner(self.model).config
-                if runner.model_type not in GATED_MLP_FAMILIES:
-                    return None
-                proxy = decoder_flops(runner, n)
-                first, later = kvzip_template_tokens(KVzipScorer(scorer.tokenizer, chunk_size=scorer.chunk_size))
-                parts = {"proxy": proxy["linear"] + proxy["attention"],
-                         **kvzip_flops(runner, n, first_extra=first, later_extra=later, chunk_size=scorer.chunk_size,
-                                       n_sink=scorer.n_sink)}
+            elif method in ("kvzip", "kvzip_iam"):
+                iam = method == "kvzip_iam"
+                scored = scorer._runner(self.model).config if iam else None
+                first, later = kvzip_template_tokens(KVzipScorer(scorer.tokenizer, chunk_size=scorer.chunk_size)
+                                                     if iam else scorer)
+                return kvzip_prefill_flops(config, n, first_extra=first, later_extra=later, scored_config=scored,
+                                           chunk_size=scorer.chunk_size, n_sink=scorer.n_sink)
             else:
                 return self._proxykv_flops(scorer, n)
-        except ValueError:  # e.g. sliding-window layers under KVzip
+        except ValueError:  # e.g. sliding-window layers under KVzip, or a proxy of another family
             return None
         return {"target": target, **parts, "total": target + sum(parts.values())}
 
     def _proxykv_flops(self, scorer, n: int) -> dict | None:
         runner = scorer.proxy_model if scorer.spec.kind == "model" else self.model
-        if runner.config.model_type not in GATED_MLP_FAMILIES:
-            return None
         heads, _, head_dim = attention_shape(runner.config)
         weight = next(runner.parameters())
         passes = recomputations(torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device))

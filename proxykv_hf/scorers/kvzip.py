@@ -227,7 +227,6 @@ class KVzipScorer(Scorer):
                     T=T, n_sink=min(self.n_sink, c * self.chunk_size), pad=pad[row_idx],
                     starts=pad[row_idx] + c * self.chunk_size, rep_valid=rep_valid, dtype=self.dtype or torch.float32,
                     lengths=torch.tensor([e - s for s, e, _ in chunks], device=device),
-                    unpadded=bool(valid[row_idx].all()) and bool(rep_valid.all()),
                 )
                 temp = _RepeatCache(context_layers, None if len(rows) == B else row_idx, T,
                                     {i: _LayerCall(record, i) for i in layers})
@@ -325,10 +324,11 @@ class _LayerCall:
 class _ChunkRecorder:
     """The chunk of one repeat forward (rows ``R``) and the scores it produced per layer, `(R, H_kv, L_max)`."""
 
-    def __init__(self, *, T, n_sink, pad, starts, lengths, rep_valid, dtype, unpadded=False):
+    def __init__(self, *, T, n_sink, pad, starts, lengths, rep_valid, dtype):
         self.T, self.n_sink, self.starts, self.lengths, self.rep_valid, self.dtype = \
             T, n_sink, starts, lengths, rep_valid, dtype
-        self.unpadded = unpadded  # no padding in the context or the repeat rows: the mask is plain causal
+        # no left padding in the rows' context and none in their repeat inputs: the mask is plain causal
+        self.unpadded = not bool(pad.any()) and bool(rep_valid.all())
         L_max = int(lengths.max())
         device = starts.device
         sink_pos = pad[:, None] + torch.arange(n_sink, device=device)  # (R, S)
