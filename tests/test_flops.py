@@ -5,8 +5,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from proxykv_hf.bench.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops, kvzip_template_tokens,
-                                     mapper_flops, prefill_flops, snapkv_flops)
+from proxykv_hf.bench.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops,
+                                     kvzip_template_tokens, mapper_flops, prefill_flops, snapkv_flops)
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import decoder_of, layer_subset
 from proxykv_hf.testing import FAMILIES, tiny_config, tiny_model
