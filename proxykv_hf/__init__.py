@@ -2,7 +2,7 @@
 
 from .cache import ProxyKVCache, ProxyKVLayer
 from .pipeline import ProxyKVGenerationPipeline, ProxyKVPipeline, register_pipeline
-from .scorers import KVzipScorer, RandomScorer, Scorer, SnapKVScorer, StreamingLLMScorer
+from .scorers import AttentionStatisticScorer, KVzipScorer, RandomScorer, Scorer, SnapKVScorer, StreamingLLMScorer
 from .scorers.kvzip import full_attention_layers, kvzip_scores
 from .selection import select_topk
 
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 register_pipeline()  # makes pipeline("proxykv-generation") available; nothing else happens on import
 
 __all__ = [
+    "AttentionStatisticScorer",
     "KVzipScorer",
     "ProxyKVCache",
     "ProxyKVGenerationPipeline",

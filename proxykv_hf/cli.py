@@ -195,7 +195,14 @@ def cmd_build_data(ns) -> int:
     model, tok = load(ns)
     cfg = from_args(DataConfig, ns, dtype=ns.storage_dtype)  # --dtype is the model's
     texts = []
+    if ns.split:
+        from .eval.splits import get_split
+
+        ns.tasks = list(get_split(ns.split).tasks) + [t for t in ns.tasks if t not in get_split(ns.split).tasks]
     if ns.tasks:
+        from .eval.splits import check_training_tasks
+
+        check_training_tasks(ns.tasks, ns.seed + 1000 * len(ns.tasks) * len(ns.tokens))
         texts += texts_from_tasks(ns.tasks, ns.n_per_task, ns.tokens, tok, seed=ns.seed)
     if ns.files:
         texts += list(texts_from_files(ns.files))
@@ -208,6 +215,19 @@ def cmd_build_data(ns) -> int:
         proxy = load_model(cfg.proxy_model_id, dtype=_dtype(ns.dtype), device=ns.device)
     manifest = build_dataset(texts, model, tok, ns.out, cfg, proxy=proxy, scores_from=ns.scores_from)
     print(json.dumps(manifest.summary(), indent=2))
+    return 0
+
+
+def cmd_corpora(ns) -> int:
+    from .eval import corpora
+
+    print(f"{'corpus':<13} {'split':<6} {'documents':>9}  {'licence':<40} install")
+    for name, c in corpora.CORPORA.items():
+        try:
+            n = str(len(corpora.units(name)))
+        except ValueError:
+            n = "missing"
+        print(f"{name:<13} {c.split:<6} {n:>9}  {c.licence:<40} {c.install}")
     return 0
 
 
@@ -274,6 +294,7 @@ def cmd_demo(ns) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     from .bench.run import BENCH_METHODS, BenchConfig
+    from .eval.splits import SPLITS
     from .eval.harness import EvalConfig
     from .eval.methods import METHODS
     from .train.data import DataConfig
@@ -289,8 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-tokens", type=int, default=4096, help="length of the needle prompt")
     p.add_argument("--keep-ratio", type=float, default=0.3, help="share of the prompt's K/V each method keeps")
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
-    p.add_argument("--seed", type=int, default=100,
-                   help="task seed (the shipped mapper trained on seeds 0, 1000, ..., 9000: keep clear of them)")
+    p.add_argument("--task", default="passkey:filler-test",
+                   help="the prompt's task (default: the test split's pass key in plain sentences)")
+    p.add_argument("--seed", type=int, default=SPLITS["test"].seed,
+                   help="task seed (default: the test split's, which no training text or choice used)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")
@@ -307,18 +330,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
     _pool_arg(p)
-    add_dataclass_args(p, EvalConfig, choices={"methods": METHODS})
+    add_dataclass_args(p, EvalConfig, choices={"methods": METHODS, "split": ("dev", "test")})
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)
+
+    p = sub.add_parser("corpora", help="the real-text corpora: split, documents found here, licence, install")
+    p.set_defaults(fn=cmd_corpora)
 
     p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards")
     _common(p)
     add_dataclass_args(p, DataConfig, skip=("oracle_kwargs", "dtype"))
     p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
                    help="dtype of the stored features and scores (--dtype is the model's)")
-    p.add_argument("--tasks", nargs="*", default=[], help="synthetic task generators to draw texts from")
+    p.add_argument("--split", default=None, choices=["train"],
+                   help="draw texts from every task of the protocol's train split (proxykv_hf.eval.splits)")
+    p.add_argument("--tasks", nargs="*", default=[],
+                   help="task generators to draw texts from: RULER names or 'family:corpus' over a train corpus")
     p.add_argument("--files", nargs="*", default=[], help="text files to use as texts as well")
     p.add_argument("--n-per-task", type=int, default=10, help="texts per task and length")
     p.add_argument("--tokens", type=int, nargs="+", default=[2048], help="text lengths in tokens")

@@ -39,11 +39,11 @@ def run_demo(ns) -> int:
 
     print("loading the model (the first run converts the bundled GGUF once, ~30 s) ...", flush=True)
     model, tok = load(ns)
-    sample = task_lib.generate("niah_single_1" if not ns.tiny else "niah_single_2", 1, ns.context_tokens, tok,
-                               ns.seed)[0]
+    sample = task_lib.generate(ns.task, 1, ns.context_tokens, tok, ns.seed)[0]
     ctx_ids, q_ids = task_lib.encode_sample(sample, tok)
     ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])
-    print(f"prompt: {ctx.shape[1] + q.shape[1]} tokens, a {sample.task} needle; question: {sample.question!r}")
+    print(f"prompt: {ctx.shape[1] + q.shape[1]} tokens, task {sample.task} (test split); question: "
+          f"{sample.question!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mapper = _mapper_for(ns, model, tmp)

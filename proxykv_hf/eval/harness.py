@@ -53,6 +53,8 @@ class EvalConfig:
         protocol: ``"query-agnostic"`` or ``"generate"``.
         max_new_tokens: answer length cap.
         out_dir: where results, tables and plots go.
+        split: ``"dev"`` or ``"test"`` of the locked protocol (:mod:`proxykv_hf.eval.splits`): its tasks and seed
+            replace ``tasks`` and ``seed``, and the report names the split. None: the tasks and seed as given.
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "kvzip", "snapkv", "streaming", "random"])
@@ -64,8 +66,17 @@ class EvalConfig:
     protocol: str = "query-agnostic"
     max_new_tokens: int = 32
     out_dir: str = "runs/eval"
+    split: str | None = None
 
     def __post_init__(self):
+        if self.split is not None:
+            from .splits import check_split, get_split
+
+            if self.split == "train":
+                raise ValueError("split 'train' holds training texts; evaluate on 'dev' (to choose) or 'test'")
+            chosen = get_split(self.split)
+            check_split(chosen)
+            self.tasks, self.seed = list(chosen.tasks), chosen.seed
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ValueError(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
@@ -76,9 +87,8 @@ class EvalConfig:
                 raise ValueError(f"keep ratios must be in (0, 1], got {r}")
         if self.n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
-        unknown = [t for t in self.tasks if t not in task_lib.TASKS]
-        if unknown:
-            raise ValueError(f"unknown tasks {unknown}; choose from {', '.join(task_lib.TASKS)}")
+        for t in self.tasks:
+            task_lib.task_fn(t)  # ValueError for an unknown task
 
 
 def environment(model) -> dict:

@@ -18,7 +18,9 @@ from ..scorers.base import LayerInputs, Prompt, Scorer
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam")
+METHODS = ("full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam", "attn_sum", "attn_max")
+"""Method names. ``attn_sum`` / ``attn_max``: the self proxy's statistics used as scores with no mapper
+(:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`, pooled like the bundled ProxyKV checkpoint)."""
 
 
 def prompt_key(prompt: Prompt) -> str:
@@ -114,6 +116,10 @@ def build_method(name: str, model, options: MethodOptions) -> RecordingScorer | 
 
         inner = ProxyKVCache.from_pretrained(options.mapper, proxy=options.proxy,
                                              pool_kernel=options.pool_kernel).scorer
+    elif name in ("attn_sum", "attn_max"):
+        from ..scorers.statistic import AttentionStatisticScorer
+
+        inner = AttentionStatisticScorer(name.removeprefix("attn_"), pool_kernel=options.pool_kernel or 1)
     elif name == "kvzip_iam":
         from ..scorers.iam import KVzipIAMScorer
 

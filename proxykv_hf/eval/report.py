@@ -150,11 +150,93 @@ def plot(records: list[dict], path: str | Path) -> Path | None:
     return Path(path)
 
 
+def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Task-balanced mean accuracy per ``(method, keep_ratio)`` with a 95% bootstrap interval over samples.
+
+    A replicate redraws, within each task, that task's samples with replacement (every method and ratio sees the
+    same draw, so differences between methods are paired), then averages over samples and over tasks. Returns
+    ``{"n": {task: samples}, "cells": {(method, ratio): (mean, lo, hi)}, "mean_over_ratios": {method: (mean, lo,
+    hi)}, "proxykv_vs_kvzip": (ratio, lo, hi) or None}``; the last two use the keep ratios below 1.0 that both
+    methods share (ProxyKV's mean accuracy over them divided by KVzip's).
+    """
+    import numpy as np
+
+    columns = sorted({(r["method"], r["keep_ratio"]) for r in records})
+    col = {c: i for i, c in enumerate(columns)}
+    units: dict[str, dict[tuple, int]] = defaultdict(dict)
+    for r in records:
+        units[r["task"]].setdefault((r["context_length"], r["sample"]), len(units[r["task"]]))
+    tasks = sorted(units)
+    mats = {t: np.full((len(units[t]), len(columns)), np.nan) for t in tasks}
+    for r in records:
+        mats[r["task"]][units[r["task"]][(r["context_length"], r["sample"])], col[(r["method"], r["keep_ratio"])]] \
+            = r["score"]
+    rng = np.random.default_rng(seed)
+    point = np.nanmean(np.stack([np.nanmean(mats[t], 0) for t in tasks]), 0)  # (C,)
+    reps = np.zeros((n_boot, len(columns)))
+    with np.errstate(invalid="ignore"), __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("ignore", RuntimeWarning)
+        for t in tasks:
+            m = mats[t]
+            idx = rng.integers(0, len(m), size=(n_boot, len(m)))
+            reps += np.nanmean(m[idx], axis=1)  # (n_boot, C)
+    reps /= len(tasks)
+
+    def interval(values: np.ndarray, at: float) -> tuple[float, float, float]:
+        lo, hi = np.nanpercentile(values, [2.5, 97.5]) if np.isfinite(values).any() else (np.nan, np.nan)
+        return float(at), float(lo), float(hi)
+
+    cells = {c: interval(reps[:, i], point[i]) for c, i in col.items()}
+    methods = sorted({m for m, _ in columns})
+    shared = sorted({r for m, r in columns if r < 1.0})
+    over = {}
+    for m in methods:
+        idx = [col[(m, r)] for r in shared if (m, r) in col]
+        if idx and len(idx) == len(shared):
+            over[m] = interval(reps[:, idx].mean(1), point[idx].mean())
+    rel = None
+    if "proxykv" in over and "kvzip" in over:
+        p = [col[("proxykv", r)] for r in shared]
+        k = [col[("kvzip", r)] for r in shared]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = interval(reps[:, p].mean(1) / reps[:, k].mean(1), point[p].mean() / point[k].mean())
+    return {"n": {t: len(units[t]) for t in tasks}, "cells": cells, "mean_over_ratios": over,
+            "proxykv_vs_kvzip": rel}
+
+
+def interval_tables(records: list[dict], split: str | None = None, n_boot: int = 1000) -> str:
+    """Markdown: per context length, every method's accuracy % per keep ratio with its 95% bootstrap interval,
+    the mean over the ratios, and ProxyKV / KVzip with its interval."""
+    lines = []
+    for length in sorted({r["context_length"] for r in records}):
+        rs = [r for r in records if r["context_length"] == length]
+        b = bootstrap(rs, n_boot=n_boot)
+        ratios = sorted({r for _, r in b["cells"] if r < 1.0})
+        n = b["n"]
+        lines += ["", f"Split {split or 'custom'}, ~{length} tokens: {sum(n.values())} samples ({len(n)} tasks, "
+                  f"{min(n.values())}-{max(n.values())} each); accuracy % [95% bootstrap interval over samples]", "",
+                  "| method | " + " | ".join(f"rho={r}" for r in ratios) + " | mean over ratios |",
+                  "|---|" + "---|" * (len(ratios) + 1)]
+        fmt = lambda c: f"{100 * c[0]:.1f} [{100 * c[1]:.1f}, {100 * c[2]:.1f}]"  # noqa: E731
+        for m in sorted({m for m, _ in b["cells"]}, key=lambda m: (m != "full", m)):
+            if m == "full":
+                lines.append("| full cache (rho=1) | " + fmt(b["cells"][("full", 1.0)]) + " |" + " |" * len(ratios))
+                continue
+            cells = [fmt(b["cells"][(m, r)]) if (m, r) in b["cells"] else "" for r in ratios]
+            over = fmt(b["mean_over_ratios"][m]) if m in b["mean_over_ratios"] else ""
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {over} |")
+        if b["proxykv_vs_kvzip"] is not None:
+            lines += ["", "ProxyKV / KVzip (mean accuracy over the ratios): " + fmt(b["proxykv_vs_kvzip"]) + " %"]
+    return "\n".join(lines) + "\n"
+
+
 def write_report(out_dir: str | Path, held_out: list[str] | tuple[str, ...] = ()) -> str:
     """Write ``results.md`` and ``accuracy.png`` next to ``results.jsonl``; return the markdown."""
     out = Path(out_dir)
     records = load_results(out)
-    text = markdown(records, held_out)
+    config = out / "config.json"
+    split = json.loads(config.read_text())["config"].get("split") if config.exists() else None
+    text = interval_tables(records, split) + "\n" + markdown(records, held_out)
     (out / "results.md").write_text(text)
     plot(records, out / "accuracy.png")
     return text

@@ -29,7 +29,7 @@ from ._text import (ADJECTIVES, NOUNS, WORDS, _article, _COMPANY_SUFFIXES, _essa
                     _person, _plural, _PRODUCTS, _PROFESSIONS, _pseudo_word, _unique, _uuid, _word_key)
 from .prompts import build_prompt, encode_sample, prompt_texts
 
-__all__ = ["Sample", "TaskRequest", "TASKS", "TASK_FAMILIES", "generate", "family_of", "token_counter",
+__all__ = ["Sample", "TaskRequest", "TASKS", "TASK_FAMILIES", "generate", "family_of", "task_fn", "token_counter",
            "build_prompt", "encode_sample", "prompt_texts"]
 
 logger = logging.getLogger(__name__)
@@ -131,8 +131,7 @@ def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed
     Raises:
         ValueError: an unknown task, a bad count, or a target too short for the task's fixed parts.
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    make = task_fn(task)
     if not isinstance(n_samples, int) or n_samples < 0:
         raise ValueError(f"n_samples must be an int >= 0, got {n_samples!r}")
     if not isinstance(target_tokens, int) or target_tokens < 1:
@@ -146,7 +145,7 @@ def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed
     for index in tqdm(range(n_samples), desc=f"generating {task}", leave=False, disable=None if big else True):
         request = TaskRequest(rng=random.Random(f"proxykv-task:{task}:{seed}:{index}"), count_tokens=count,
                               target_tokens=target_tokens, depth=(offset + index * _GOLDEN) % 1.0)
-        sample = TASKS[task](request)
+        sample = make(request)
         sample.meta.update(task_family=family_of(task), seed=seed, index=index, target_tokens=target_tokens)
         samples.append(sample)
     return samples
@@ -513,8 +512,25 @@ TASK_FAMILIES: dict[str, tuple[str, ...]] = {
 """Family -> task names, for held-out splits (train on some families, evaluate on the others)."""
 
 
+def task_fn(task: str) -> TaskFn:
+    """The generator of ``task``: a key of :data:`TASKS`, or ``"family:corpus"`` for a task over real text
+    (:mod:`proxykv_hf.eval.realtext`); ``ValueError`` for anything else."""
+    if task in TASKS:
+        return TASKS[task]
+    family, _, corpus = task.partition(":")
+    from . import corpora, realtext
+
+    if not corpus or family not in realtext.FAMILIES or corpus not in corpora.CORPORA:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)} or 'family:corpus' with a family "
+                         f"from {', '.join(realtext.FAMILIES)} and a corpus from {', '.join(corpora.CORPORA)}")
+    return functools.partial(realtext.make_sample, family, corpus)
+
+
 def family_of(task: str) -> str:
-    """The family (a key of :data:`TASK_FAMILIES`) of ``task``; a task outside every family is its own family."""
+    """The family (a key of :data:`TASK_FAMILIES`) of ``task``; ``"needle"`` for ``"needle:manpages"``; a task
+    outside every family is its own family."""
+    if ":" in task:
+        return task.partition(":")[0]
     for family, names in TASK_FAMILIES.items():
         if task in names:
             return family

@@ -4,6 +4,8 @@ from .base import LayerInputs, Prompt, Scorer
 from .kvzip import KVzipScorer
 from .random import RandomScorer
 from .snapkv import SnapKVScorer
+from .statistic import AttentionStatisticScorer
 from .streaming import StreamingLLMScorer
 
-__all__ = ["KVzipScorer", "LayerInputs", "Prompt", "RandomScorer", "Scorer", "SnapKVScorer", "StreamingLLMScorer"]
+__all__ = ["AttentionStatisticScorer", "KVzipScorer", "LayerInputs", "Prompt", "RandomScorer", "Scorer",
+           "SnapKVScorer", "StreamingLLMScorer"]

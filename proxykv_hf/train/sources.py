@@ -22,9 +22,8 @@ def texts_from_tasks(task_names: Sequence[str], n_per_task: int, target_tokens: 
     """
     from ..eval import tasks as task_lib
 
-    unknown = [t for t in task_names if t not in task_lib.TASKS]
-    if unknown:
-        raise ValueError(f"unknown tasks {unknown}; choose from {sorted(task_lib.TASKS)}")
+    for t in task_names:
+        task_lib.task_fn(t)  # ValueError for an unknown task
     lengths = [target_tokens] if isinstance(target_tokens, int) else list(target_tokens)
     for t_i, task in enumerate(task_names):
         for l_i, n_tok in enumerate(lengths):

