@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a HybridAxialMapper on built data")
     add_dataclass_args(p, TrainConfig, skip=("loss",))
     p.add_argument("--data", required=True, help="a dataset directory from build-data or merge-data")
-    p.add_argument("--out", required=True, help="run directory: checkpoints (best/, last/), log, plots")
+    p.add_argument("--out", required=True, help="run directory: the best checkpoint (in the directory itself), last/, log, plots")
     p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"],
                    help="mapper size: paper (~15M), small (~0.3M, the shipped SmolLM2 mapper's size), tiny (tests)")
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",

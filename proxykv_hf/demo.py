@@ -62,6 +62,7 @@ def run_demo(ns) -> int:
             out = answer_from_cache(model, cache, ctx, q, max_new_tokens=24, do_sample=False,
                                     pad_token_id=tok.pad_token_id)
             answer = tok.decode(out[0], skip_special_tokens=True).strip()
+            answer = "".join(c if c.isprintable() else " " for c in " ".join(answer.split()))  # one table line
             rows.append((method, cache.keep_ratio, answer, score_sample(sample, answer), t_compress + t_first,
                          cache.nbytes()))
     width = max(len(r[2]) for r in rows)

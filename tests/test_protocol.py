@@ -213,3 +213,20 @@ def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
     main(["corpora"])
     listing = capsys.readouterr().out
     assert all(name in listing for name in corpora.CORPORA)
+
+
+def test_results_tables_script(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "results_tables.py"
+    spec = importlib.util.spec_from_file_location("results_tables", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    records = _records({"full": [1, 1, 1], "kvzip": [1, 1, 0], "proxykv": [1, 0, 0]})
+    data = tmp_path / "r.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records))
+    assert module.main([str(data), "--n-boot", "50", "--plot", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| KVzip | 66.7 | 66.7 [" in out and "| 50% |" in out and "ProxyKV / KVzip: **50%**" in out
+    assert (tmp_path / "a.png").exists()

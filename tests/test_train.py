@@ -384,7 +384,7 @@ def test_texts_from_tasks(tok):
     items = list(texts_from_tasks([name], 2, 300, tok, seed=0))
     sample = tasks.generate(name, 2, 300, tok, 0)[0]
     assert len(items) == 2 and items[0] == {"text": f"{sample.context}\n\n{sample.question}", "source": name}
-    with pytest.raises(ValueError, match="unknown tasks"):
+    with pytest.raises(ValueError, match="unknown task"):
         list(texts_from_tasks(["nope"], 1, 300, tok))
 
 
