@@ -205,29 +205,50 @@ def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict
             "proxykv_vs_kvzip": rel}
 
 
+_ORDER = ("kvzip", "proxykv", "attn_max", "attn_sum", "snapkv", "streaming", "random", "kvzip_iam")
+_NAMES = {"full": "full cache", "kvzip": "KVzip", "proxykv": "ProxyKV", "attn_max": "no mapper: max (`attn_max`)",
+          "attn_sum": "no mapper: sum (`attn_sum`)", "snapkv": "SnapKV", "streaming": "StreamingLLM",
+          "random": "random", "kvzip_iam": "KVzip+IAM"}
+
+
 def interval_tables(records: list[dict], split: str | None = None, n_boot: int = 1000) -> str:
-    """Markdown: per context length, every method's accuracy % per keep ratio with its 95% bootstrap interval,
-    the mean over the ratios, and ProxyKV / KVzip with its interval."""
+    """Markdown, per context length: every method's accuracy % per keep ratio, its mean over the ratios with a 95%
+    bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, and the accuracy per task."""
     lines = []
     for length in sorted({r["context_length"] for r in records}):
         rs = [r for r in records if r["context_length"] == length]
         b = bootstrap(rs, n_boot=n_boot)
         ratios = sorted({r for _, r in b["cells"] if r < 1.0})
         n = b["n"]
-        lines += ["", f"Split {split or 'custom'}, ~{length} tokens: {sum(n.values())} samples ({len(n)} tasks, "
-                  f"{min(n.values())}-{max(n.values())} each); accuracy % [95% bootstrap interval over samples]", "",
-                  "| method | " + " | ".join(f"rho={r}" for r in ratios) + " | mean over ratios |",
-                  "|---|" + "---|" * (len(ratios) + 1)]
-        fmt = lambda c: f"{100 * c[0]:.1f} [{100 * c[1]:.1f}, {100 * c[2]:.1f}]"  # noqa: E731
-        for m in sorted({m for m, _ in b["cells"]}, key=lambda m: (m != "full", m)):
-            if m == "full":
-                lines.append("| full cache (rho=1) | " + fmt(b["cells"][("full", 1.0)]) + " |" + " |" * len(ratios))
-                continue
-            cells = [fmt(b["cells"][(m, r)]) if (m, r) in b["cells"] else "" for r in ratios]
-            over = fmt(b["mean_over_ratios"][m]) if m in b["mean_over_ratios"] else ""
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {over} |")
+        pct = lambda c: f"{100 * c[0]:.1f}"  # noqa: E731
+        span = lambda c: f"{100 * c[0]:.1f} [{100 * c[1]:.1f}, {100 * c[2]:.1f}]"  # noqa: E731
+        lines += ["", f"Split {split or 'custom'}, ~{length} tokens: {sum(n.values())} samples ({len(n)} tasks x "
+                  f"{min(n.values())}-{max(n.values())}); accuracy %, mean over the ratios with its 95% bootstrap "
+                  "interval over samples", "",
+                  "| method | " + " | ".join(f"rho={r}" for r in ratios) + " | mean [95% interval] | of KVzip |",
+                  "|---|" + "---|" * (len(ratios) + 2)]
+        if ("full", 1.0) in b["cells"]:
+            lines.append("| full cache (rho=1) |" + " |" * len(ratios) + f" {span(b['cells'][('full', 1.0)])} | |")
+        kvzip = b["mean_over_ratios"].get("kvzip", (float("nan"),))[0]
+        methods = [m for m in _ORDER if m in b["mean_over_ratios"]]
+        methods += sorted(set(b["mean_over_ratios"]) - set(methods))
+        for m in methods:
+            over = b["mean_over_ratios"][m]
+            share = f"{100 * over[0] / kvzip:.0f}%" if m != "kvzip" and kvzip > 0 else ""  # NaN > 0 is False
+            lines.append(f"| {_NAMES.get(m, m)} | " + " | ".join(pct(b["cells"][(m, r)]) for r in ratios)
+                         + f" | {span(over)} | {share} |")
         if b["proxykv_vs_kvzip"] is not None:
-            lines += ["", "ProxyKV / KVzip (mean accuracy over the ratios): " + fmt(b["proxykv_vs_kvzip"]) + " %"]
+            v = b["proxykv_vs_kvzip"]
+            lines += ["", f"ProxyKV / KVzip: {100 * v[0]:.0f}% (95% interval {100 * v[1]:.0f}-{100 * v[2]:.0f}%)."]
+        table = accuracy_table(rs)
+        tasks = sorted({r["task"] for r in rs})
+        lines += ["", "Per task (accuracy %, mean over the ratios; full cache at rho=1):", "",
+                  "| method | " + " | ".join(f"`{t}`" for t in tasks) + " |", "|---|" + "---|" * len(tasks)]
+        for m in ["full"] + methods:
+            rows = [row for (mm, _), row in table.items() if mm == m]
+            if rows:
+                lines.append(f"| {_NAMES.get(m, m)} | " + " | ".join(
+                    f"{100 * sum(row.get(t, 0.0) for row in rows) / len(rows):.1f}" for t in tasks) + " |")
     return "\n".join(lines) + "\n"
 
 
