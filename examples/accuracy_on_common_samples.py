@@ -1,6 +1,6 @@
 """Mean accuracy (%) per keep ratio of several eval runs, over the samples they all hold (one table row per run).
 
-    python examples/accuracy_on_common_samples.py new=runs/s7/eval-2k-sum/results.jsonl \
+    python examples/accuracy_on_common_samples.py new=runs/eval-new/results.jsonl \
         --reference shipped=docs/data/eval_2k_proxykv.jsonl:proxykv kvzip=docs/data/eval_2k_grid.jsonl \
         --held-out vt qa --oracle kvzip
 

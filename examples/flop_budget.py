@@ -74,7 +74,7 @@ def methods_table(path: str, statistics_passes: int) -> list[str]:
                  "proxykv": lambda: flops(shape, n, statistics_passes)["total"],
                  "kvzip": lambda: kvzip_total(shape, n),
                  "kvzip_iam": lambda: kvzip_total(shape, n, on_proxy=True)}.get(method)
-        if row.get("flops"):  # rows since the fourteenth session carry their own counts
+        if row.get("flops"):  # newer bench rows carry their own counts
             total = row["flops"]["total"]
         elif count is not None:
             total = count()
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench", nargs="*", default=[], help="proxykv bench JSON files of the real shapes")
     p.add_argument("--bench-statistics-passes", type=int, default=2,
                    help="what the runs in --bench executed, for rows without their own FLOP counts (2: sdpa + both "
-                        "fused passes, before the thirteenth session's flash path)")
+                        "fused passes, before the flash path)")
     p.add_argument("--plot", default=None, help="write a plot of the floors and the measured ratios here")
     p.add_argument("--target", type=float, default=None, help="a TTFT ratio to draw on the plot")
     ns = p.parse_args(argv)

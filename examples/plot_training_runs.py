@@ -1,6 +1,6 @@
 """Overlay the validation curves of several mapper training runs (one ``log.jsonl`` each) in one figure.
 
-    python examples/plot_training_runs.py runs/s2/mapper-self runs/s2/mapper-layers-fair --labels self layers \
+    python examples/plot_training_runs.py runs/mapper-self runs/mapper-layers --labels self layers \
         --out docs/proxy_comparison.png
 
 One panel per keep ratio: validation mass recovery (solid) and top-K recall (dashed) against the optimizer step.

@@ -1,7 +1,7 @@
 """Validation metrics of mappers on the texts no run trained on, when a dataset grew between two training runs.
 
-    python examples/val_unseen_texts.py --data runs/s6/data-self-2k --earlier-crops 87 \
-        runs/s8/previous-mapper runs/s7/ft2k-max runs/s8/ft2k68-max
+    python examples/val_unseen_texts.py --data data/self-2k --earlier-crops 87 \
+        runs/mapper-a runs/mapper-b runs/mapper-c
 
 A resumed ``proxykv build-data`` appends texts, so a run on the grown dataset splits it differently from a run on
 the first ``--earlier-crops`` crops: some of the new validation texts were training texts of the earlier run. This

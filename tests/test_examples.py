@@ -160,7 +160,7 @@ def test_flop_budget(tmp_path, capsys):
     rows = [{"context": 8192, "method": "full", "ttft_s": 0.2, "ttft_vs_full": 1.0}, row,
             {"context": 8192, "method": "snapkv", "ttft_s": 0.21, "ttft_vs_full": 1.05},
             {"context": 8192, "method": "streaming", "ttft_s": 0.25, "ttft_vs_full": 1.25,
-             "flops": {"target": 1, "total": 0.5e12}},  # a row with its own counts (bench rows since session 14)
+             "flops": {"target": 1, "total": 0.5e12}},  # a row with its own counts (newer bench rows)
             {"context": 8192, "method": "kvzip", "ttft_s": 1.0, "ttft_vs_full": 5.0}]
     bench.write_text(json.dumps({"env": {"shape": "llama-3.1-8b", "device": "X"}, "rows": rows}))
     example("flop_budget").main(["--context-lengths", "8192", "--bench", str(bench), "--plot",
