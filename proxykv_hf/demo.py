@@ -42,8 +42,7 @@ def run_demo(ns) -> int:
     sample = task_lib.generate(ns.task, 1, ns.context_tokens, tok, ns.seed)[0]
     ctx_ids, q_ids = task_lib.encode_sample(sample, tok)
     ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])
-    print(f"prompt: {ctx.shape[1] + q.shape[1]} tokens, task {sample.task} (test split); question: "
-          f"{sample.question!r}")
+    print(f"prompt: {ctx.shape[1] + q.shape[1]} tokens, task {sample.task}; question: {sample.question!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mapper = _mapper_for(ns, model, tmp)

@@ -230,3 +230,13 @@ def test_results_tables_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| KVzip | 66.7 | 66.7 [" in out and "| 50% |" in out and "ProxyKV / KVzip: 50%" in out
     assert (tmp_path / "a.png").exists()
+
+
+def test_texts_from_tasks_keeps_to_the_train_split():
+    from proxykv_hf.train import texts_from_tasks
+
+    with pytest.raises(ValueError, match="only train corpora"):
+        next(texts_from_tasks(["needle:manpages"], 1, 300, TOK))
+    with pytest.raises(ValueError, match="training seeds"):  # the second task's seed reaches the limit
+        next(texts_from_tasks(["niah_single_1", "niah_single_2"], 1, 300, TOK, seed=splits.TRAIN_SEED_LIMIT - 1000))
+    assert next(texts_from_tasks(["niah_single_1"], 1, 300, TOK, seed=splits.TRAIN_SEED_LIMIT - 1))["text"]

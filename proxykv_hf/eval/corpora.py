@@ -102,7 +102,7 @@ def units(name: str) -> tuple[tuple[str, ...], ...]:
     docs = corpus.load()
     out = tuple(u for u in (tuple(split_units(d, sentences=corpus.joiner == " ")) for d in docs) if u)
     if not out:
-        raise ValueError(f"corpus {name!r} found no documents on this machine; install them with: {corpus.install}")
+        raise ValueError(f"corpus {name!r} found no documents; install them with: {corpus.install}")
     return out
 
 
@@ -160,7 +160,7 @@ def _roff_to_text(text: str) -> str:
             if request in ("SH", "SS"):
                 lines += ["", arg.strip('"').capitalize(), ""]
             elif request in ("PP", "P", "LP", "sp", "br", "TP", "IP", "RS", "RE", "EX", "EE"):
-                lines.append("" if request in ("PP", "P", "LP", "sp", "TP", "IP") else "")
+                lines.append("")
                 if request == "IP" and arg:
                     lines.append(arg.split('"')[1] if '"' in arg else arg)
             elif request in ("B", "I", "BR", "IR", "RB", "RI", "BI", "IB", "SM", "SB"):
@@ -170,7 +170,7 @@ def _roff_to_text(text: str) -> str:
     text = "\n".join(lines)
     text = re.sub(r"\\f(\[[^\]]*\]|\(..|.)", "", text)
     text = re.sub(r"\\\((em|en)", "-", text)
-    text = re.sub(r"\\\(.." , "", text)
+    text = re.sub(r"\\\(..", "", text)
     text = text.replace("\\-", "-").replace("\\e", "\\").replace("\\&", "").replace("\\ ", " ").replace("\\~", " ")
     return re.sub(r"\n{3,}", "\n\n", text)
 

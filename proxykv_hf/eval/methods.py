@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam", "attn_sum", "attn_max")
 """Method names. ``attn_sum`` / ``attn_max``: the self proxy's statistics used as scores with no mapper
-(:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`, pooled like the bundled ProxyKV checkpoint)."""
+(:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`; pooled only with ``pool_kernel``)."""
 
 
 def prompt_key(prompt: Prompt) -> str:

@@ -92,8 +92,10 @@ def check_split(split: Split) -> None:
 
 
 def check_training_tasks(tasks, seed: int) -> None:
-    """``ValueError`` if training texts would come from a dev or test corpus, or with a dev or test seed."""
+    """``ValueError`` for an unknown task, or if training texts would come from a dev or test corpus, or with a dev
+    or test seed (``seed``: the largest generator seed the texts use)."""
     for task in tasks:
+        task_fn(task)
         owner = split_of_task(task)
         if owner not in (None, "train"):
             raise ValueError(f"task {task!r} draws from the {owner!r} corpus {task.partition(':')[2]!r}; training "

@@ -14,17 +14,22 @@ def texts_from_tasks(task_names: Sequence[str], n_per_task: int, target_tokens: 
     """Synthetic task samples (:func:`proxykv_hf.eval.tasks.generate`) as texts ``context + "\\n\\n" + question``.
 
     Args:
-        task_names: names in ``proxykv_hf.eval.tasks.TASKS``.
+        task_names: RULER names (``proxykv_hf.eval.tasks.TASKS``) or ``"family:corpus"`` over a train corpus.
         n_per_task: samples per task and length.
         target_tokens: context length(s) in tokens; a sequence gives ``n_per_task`` samples at each.
         tokenizer: used by the generators to size contexts.
         seed: base seed (each task and length gets its own derived seed).
+
+    Raises:
+        ValueError: an unknown task, a dev or test corpus, or a derived seed at or above
+            :data:`~proxykv_hf.eval.splits.TRAIN_SEED_LIMIT` (:func:`~proxykv_hf.eval.splits.check_training_tasks`).
     """
     from ..eval import tasks as task_lib
+    from ..eval.splits import check_training_tasks
 
-    for t in task_names:
-        task_lib.task_fn(t)  # ValueError for an unknown task
     lengths = [target_tokens] if isinstance(target_tokens, int) else list(target_tokens)
+    # the largest generator seed below is seed + 1000 * (tasks - 1) + (lengths - 1)
+    check_training_tasks(task_names, seed + 1000 * max(len(task_names) - 1, 0) + len(lengths) - 1)
     for t_i, task in enumerate(task_names):
         for l_i, n_tok in enumerate(lengths):
             samples = task_lib.generate(task, n_per_task, n_tok, tokenizer, seed + 1000 * t_i + l_i)
