@@ -14,7 +14,7 @@ from proxykv_hf.models import (CACHE_ENV, DEFAULT_MODEL, bundled_model_dir, load
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------
-# the real bundled model (converted once into the default cache; its fixture, shared by the whole test run, is in conftest)
+# the real bundled model (converted once into the default cache; its run-wide fixture is in conftest)
 
 
 @pytest.mark.smollm
