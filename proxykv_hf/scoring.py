@@ -6,6 +6,11 @@ This is the proxy feature of the ProxyKV paper (one row per layer and query head
 several scorers. Beside the sum, the same pass can return the *maximum* probability a key receives from any query
 other than its own position (statistic ``"max"``): a needle that one later query looks at hard but few others do
 stands out there more than in the sum (``examples/needle_features.py``; KVzip's oracle is a maximum too).
+Statistic ``"lookback"`` is read on the query side: the largest probability the token at each position, as a query,
+gives to any key at least :data:`LOOKBACK_GAP` positions back (the row's first :data:`LOOKBACK_SINKS` real tokens,
+the attention sinks, left out). Text the model has seen before (a repeated sentence, a recurring name) is read by
+copying from its earlier occurrence and scores high; a token with nothing to look back to (a new number, a code)
+scores low. KVzip keeps exactly such tokens, and the sum and max rank them last when the text around them repeats.
 
 The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the causal unmasked
 case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the
@@ -30,7 +35,10 @@ BACKENDS = ("auto", "torch", "triton")
 # queries per chunk of the PyTorch path: on a 2-core CPU, one SmolLM2 layer at 4k tokens (sum + max) takes 0.18 s
 # with 128 against 0.27 s with 256 (a chunk's probabilities stay nearer the cache); docs/performance.md
 CHUNK_SIZE = 128
-STATISTICS = ("sum", "max")
+STATISTICS = ("sum", "max", "lookback")
+# the "lookback" statistic: keys at least this many positions before the query, past the row's first sink tokens
+LOOKBACK_GAP = 8
+LOOKBACK_SINKS = 4
 # let a statistics pass over a layer's own prefill also compute that attention's output (CPU: one softmax, not
 # two; GPU: flash attention's log-sum-exp instead of the fused kernels' first pass): see
 # causal_attention_with_statistics; False restores sdpa + statistics
@@ -127,7 +135,10 @@ def attention_sums(
             or Triton's interpreter) or ``"auto"``: Triton where it applies, else torch.
         statistics: which per-key statistics over the queries, in this order: ``"sum"`` (the probabilities summed
             over queries) and/or ``"max"`` (their maximum over the queries other than the key's own position,
-            i.e. query ``q`` never counts for key ``q + T - Q``; 0 where no other query sees the key).
+            i.e. query ``q`` never counts for key ``q + T - Q``; 0 where no other query sees the key) and/or
+            ``"lookback"`` (query-side: at each query's own position, the largest probability it gives to a key at
+            least :data:`LOOKBACK_GAP` positions earlier and past the row's first :data:`LOOKBACK_SINKS` real
+            tokens; 0 at positions that are not queries of this call, at padding and where no such key exists).
 
     Returns:
         float32 `(B, S * H, T)` or `(B, S * H_kv, T)` for ``S = len(statistics)``: statistic-major, so with the
@@ -146,9 +157,10 @@ def attention_sums(
         raise ValueError(f"without a mask the queries are the last Q of the T key positions: need T >= Q, got Q={Q}, "
                          f"T={T}")
     scaling = D**-0.5 if scaling is None else scaling
-    fused = attention_mask is None and kernels.available(query)
+    fused = attention_mask is None and kernels.available(query) and "lookback" not in statistics
     if backend == "triton" and not fused:
-        raise ValueError("the triton backend needs attention_mask=None (causal), T >= Q, and a GPU with Triton")
+        raise ValueError("the triton backend needs attention_mask=None (causal), T >= Q, a GPU with Triton and no "
+                         "'lookback' statistic")
     if fused and backend != "torch":
         found = _fused_statistics(query, key, scaling, query_valid, statistics)
         return torch.cat([_reduce(found[s].view(B, H_kv, G, T), group_reduce) for s in statistics], dim=1)
@@ -200,13 +212,14 @@ def causal_attention_with_statistics(
         raise ValueError(f"need T >= Q and values shaped like the keys; got query {tuple(query.shape)}, key "
                          f"{tuple(key.shape)}, value {tuple(value.shape)}")
     scaling = D**-0.5 if scaling is None else scaling
-    if backend != "torch" and Q == T and kernels.available(query) and _flash_lse_ok is not False:
+    fusable = "lookback" not in statistics and kernels.available(query)
+    if backend != "torch" and Q == T and fusable and _flash_lse_ok is not False:
         fused = _flash_statistics(query, key, value, scaling, query_valid, statistics)
         if fused is not None:
             return fused
     if backend == "triton":
-        raise ValueError("the triton backend needs Q == T, a GPU with Triton (or Triton's interpreter) and inputs "
-                         "that PyTorch's flash attention takes (kernels.flash_lse_supported)")
+        raise ValueError("the triton backend needs Q == T, a GPU with Triton (or Triton's interpreter), no 'lookback' "
+                         "statistic and inputs that PyTorch's flash attention takes (kernels.flash_lse_supported)")
     found, output = _torch_statistics(query, key, None, scaling, query_valid, chunk_size, statistics, value=value)
     return output, torch.cat([_reduce(found[s], "none") for s in statistics], dim=1)
 
@@ -266,6 +279,8 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     v = None if value is None else value.float()
     out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
     peak = torch.zeros_like(out) if "max" in statistics else None
+    lookback = torch.zeros_like(out) if "lookback" in statistics else None
+    first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) if lookback is not None else None
     attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], dtype=query.dtype, device=query.device)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
@@ -288,6 +303,8 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
             attended[:, :, :, q0:q1] = rows.view(B, H_kv, G, q1 - q0, -1)
         if query_valid is not None:
             probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
+        if lookback is not None:
+            lookback[..., d0:d0 + q1 - q0] = _chunk_lookback(probs, first, d0)
         out[..., :t_end] += probs.sum(dim=3)
         if peak is not None:
             if T >= Q:  # the query's own key is on the diagonal of the block at d0
@@ -298,7 +315,42 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
                 probs.masked_fill_(own, 0.0)
             peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.amax(dim=3))
     output = None if attended is None else attended.view(B, H, Q, -1)
-    return {"sum": out, "max": peak}, output
+    return {"sum": out, "max": peak, "lookback": lookback}, output
+
+
+def _first_lookback_key(attention_mask, query_valid, Q: int, T: int, device) -> torch.Tensor:
+    """`(B or 1,)` long: each row's first key that the lookback statistic may read, past its first real tokens (the
+    sinks). A row's first real key is the first the last query sees under ``attention_mask``; without a mask, the
+    first valid query of a prefill (``Q == T``, left padding), else position 0."""
+    if attention_mask is not None:
+        last = attention_mask[:, 0, -1, :T]  # (B|1, T)
+        seen = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+        start = seen.to(torch.int8).argmax(-1)
+    elif query_valid is not None and Q == T:
+        start = query_valid.to(torch.int8).argmax(-1)
+    else:
+        start = torch.zeros(1, dtype=torch.long, device=device)
+    return start.to(device=device, dtype=torch.long) + LOOKBACK_SINKS
+
+
+def _chunk_lookback(probs: torch.Tensor, first: torch.Tensor, d0: int) -> torch.Tensor:
+    """Per query of a chunk, the largest probability on a key at least :data:`LOOKBACK_GAP` positions back and at or
+    after ``first`` (per row): ``probs`` `(B, H_kv, G, C, t)` with the chunk's first query at key position ``d0`` ->
+    `(B, H_kv, G, C)`."""
+    B, C, t = probs.shape[0], probs.shape[3], probs.shape[4]
+    far = min(max(d0 - LOOKBACK_GAP + 1, 0), t)  # keys before `far` are far enough back for every query of the chunk
+    found = probs.new_zeros(probs.shape[:4])
+    for b in range(B):
+        lo = int(first[min(b, first.shape[0] - 1)])
+        if lo < far:
+            found[b] = probs[b, ..., lo:far].amax(-1)
+    band = probs[..., far:]  # (B, H_kv, G, C, t - far): keys near the diagonal, far enough back for some queries
+    if band.shape[-1]:
+        kpos = torch.arange(far, t, device=probs.device)
+        qpos = torch.arange(d0, d0 + C, device=probs.device)
+        ok = (kpos[None, None, :] <= qpos[None, :, None] - LOOKBACK_GAP) & (kpos[None, None, :] >= first[:, None, None])
+        found = torch.maximum(found, band.masked_fill(~ok[:, None, None], 0.0).amax(-1))  # ok: (B|1, C, t - far)
+    return found
 
 
 def _reduce(out: torch.Tensor, group_reduce: str) -> torch.Tensor:

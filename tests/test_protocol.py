@@ -15,6 +15,7 @@ from proxykv_hf.eval.metrics import score_sample
 from proxykv_hf.eval.report import bootstrap, interval_tables
 from proxykv_hf.eval.tasks import family_of, generate, task_fn
 from proxykv_hf.scorers.base import LayerInputs, Prompt
+from proxykv_hf.scoring import attention_sums
 from proxykv_hf.scorers.statistic import AttentionStatisticScorer
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
@@ -164,13 +165,16 @@ def test_statistic_scorer_matches_a_hand_computation():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     got = AttentionStatisticScorer("sum", group_reduce="mean").score(inputs)
     torch.testing.assert_close(got, probs.sum(2).view(B, H_kv, 2, T).mean(2), rtol=1e-5, atol=1e-5)
+    got = AttentionStatisticScorer("lookback", group_reduce="max").score(inputs)
+    lookback = attention_sums(q, k, None, D ** -0.5, statistics=("lookback",))  # (B, H, T)
+    torch.testing.assert_close(got, 1 - lookback.view(B, H_kv, 2, T).amin(2), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="statistics"):
         AttentionStatisticScorer("mean")
     with pytest.raises(ValueError, match="group_reduce"):
         AttentionStatisticScorer("max", group_reduce="min")
 
 
-@pytest.mark.parametrize("statistic", ["sum", "max"])
+@pytest.mark.parametrize("statistic", ["sum", "max", "lookback"])
 def test_statistic_scorer_in_generate(statistic):
     model = tiny_model("llama")
     inputs = random_prompt(2, 30, lengths=[30, 21], seed=3)
@@ -198,11 +202,12 @@ def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
     from proxykv_hf.cli import main
 
     out = tmp_path / "dev"
-    main(["eval", "--tiny", "--split", "dev", "--methods", "full", "attn_max", "attn_sum", "--keep-ratios", "0.3",
+    main(["eval", "--tiny", "--split", "dev", "--methods", "full", "attn_max", "attn_sum", "attn_novelty", "--keep-ratios",
+          "0.3",
           "--context-lengths", "700", "--n-samples", "1", "--max-new-tokens", "2", "--out-dir", str(out)])
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["task"] for r in records} == set(splits.SPLITS["dev"].tasks)
-    assert {r["method"] for r in records} == {"full", "attn_max", "attn_sum"}
+    assert {r["method"] for r in records} == {"full", "attn_max", "attn_sum", "attn_novelty"}
     assert json.loads((out / "config.json").read_text())["config"]["split"] == "dev"
     assert "Split dev" in capsys.readouterr().out
     with pytest.raises(ValueError, match="only train corpora"):

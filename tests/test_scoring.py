@@ -75,6 +75,62 @@ def test_max_statistic_equals_explicit(chunk, Q, masked):
         attention_sums(query, key, mask, statistics=("median",))
 
 
+def explicit_lookback(p, valid, Q, T):
+    """"lookback" by its definition: at each query's position, the largest probability it gives to a key at least
+    LOOKBACK_GAP positions back and past the row's first LOOKBACK_SINKS real tokens; ``p`` (B, H, Q, T)."""
+    from proxykv_hf.scoring import LOOKBACK_GAP, LOOKBACK_SINKS
+
+    B, H = p.shape[:2]
+    out = torch.zeros(B, H, T)
+    for b in range(B):
+        first = int(valid[b].float().argmax()) + LOOKBACK_SINKS
+        for i in range(Q):
+            pos = i + T - Q
+            keys = list(range(first, pos - LOOKBACK_GAP + 1))
+            if keys and valid[b, pos]:
+                out[b, :, pos] = p[b, :, i, keys].amax(-1)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+@pytest.mark.parametrize("Q", [40, 23])
+@pytest.mark.parametrize("masked", [True, False])
+def test_lookback_statistic_equals_explicit(chunk, Q, masked):
+    """"lookback" is read on the query side: padding queries, positions before this call's queries, keys within
+    LOOKBACK_GAP of the query and each row's first real tokens (the sinks) never count."""
+    torch.manual_seed(5)
+    B, H, H_kv, T, D = 2, 4, 2, 40, 8
+    query, key = torch.randn(B, H, Q, D) * 2, torch.randn(B, H_kv, T, D) * 2
+    valid = torch.ones(B, T, dtype=torch.bool)
+    if masked:
+        valid[1, :7] = False
+    qpos = torch.arange(Q) + (T - Q)
+    mask = (torch.arange(T)[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :] if masked else None
+    p = explicit_probs(query, key, valid, 0.3)  # (B, H, Q, T)
+    want = explicit_lookback(p, valid, Q, T)
+    got = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
+                         statistics=("sum", "lookback"), backend="torch")
+    torch.testing.assert_close(got, torch.cat([p.sum(2), want], 1), rtol=1e-5, atol=1e-6)
+    assert not got[:, H:, :T - Q].any() and want.abs().max() > 0
+    if masked:  # an additive float mask (eager) gives the same
+        add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        got_f = attention_sums(query, key, add, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
+                               statistics=("lookback",))
+        torch.testing.assert_close(got_f, want, rtol=1e-5, atol=1e-6)
+
+
+def test_lookback_is_high_for_copied_text_and_low_for_new_text():
+    """A key that matches a query exactly, far back, draws the query's attention: the token the query stands for
+    was seen before (high lookback); a query that matches nothing far back keeps a low lookback."""
+    torch.manual_seed(0)
+    T, D = 64, 16
+    key = torch.randn(1, 1, T, D)
+    query = torch.randn(1, 1, T, D) * 0.1
+    query[0, 0, 50] = key[0, 0, 20] * 4  # position 50 "copies" position 20
+    got = attention_sums(query, key, None, D ** -0.5, statistics=("lookback",))[0, 0]  # (T,)
+    assert got[50] > 0.9 and got[51] < 0.2
+
+
 def test_mask_none_is_causal_and_group_reductions():
     torch.manual_seed(1)
     query, key = torch.randn(1, 6, 9, 4), torch.randn(1, 2, 9, 4)
@@ -140,7 +196,7 @@ def test_a_mask_that_shows_the_future_is_honoured():
 
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 @pytest.mark.parametrize("Q", [13, 6])
-@pytest.mark.parametrize("statistics", [("sum",), ("max", "sum")])
+@pytest.mark.parametrize("statistics", [("sum",), ("max", "sum"), ("sum", "max", "lookback")])
 def test_attention_with_statistics_equals_attention_then_statistics(chunk, Q, statistics):
     """One pass gives the causal attention output (queries at the last Q of T positions) and what attention_sums
     returns; padding queries weigh nothing in the statistics but still get their output rows."""

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from proxykv_hf import ProxyKVCache
 from proxykv_hf.hub import load_checkpoint
-from proxykv_hf.mapper import HybridAxialMapper
+from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import proxy_features
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 from proxykv_hf.train import (DataConfig, Manifest, MapperDataset, TrainConfig, build_dataset, crop_starts,
@@ -568,3 +568,24 @@ def test_resume_accepts_a_manifest_written_before_statistics(tmp_path, target, t
     with pytest.raises(ValueError, match="proxy"):  # other statistics are another dataset
         build_dataset(texts, target, tok, tmp_path, data_config(proxy_kind="self", proxy_statistics=["max"]),
                       oracle=fake_oracle, progress=False)
+
+
+def test_a_sum_max_mapper_widens_to_the_lookback_statistic():
+    """A mapper that reads (sum, max) starts a (sum, max, lookback) mapper that computes the same scores: the
+    lookback's rows (its own transform) start at zero weight; a transform list that does not extend the old one
+    is refused."""
+    from proxykv_hf.train.loop import init_mapper_from
+
+    torch.manual_seed(0)
+    two = HybridAxialMapper(MapperConfig.tiny(num_statistics=2, input_transform="log1p,log", direct_path=True))
+    with torch.no_grad():
+        for p in two.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    three = HybridAxialMapper(MapperConfig.tiny(num_statistics=3, input_transform="log1p,log,log", direct_path=True))
+    init_mapper_from(three, two)
+    x = torch.rand(2, 2, 6, 50)  # (B, L_s, 3 * H_s, N)
+    with torch.no_grad():
+        torch.testing.assert_close(three.eval()(x), two.eval()(x[:, :, :4]))
+    other = HybridAxialMapper(MapperConfig.tiny(num_statistics=3, input_transform="log,log1p,log", direct_path=True))
+    with pytest.raises(ValueError, match="another mapper config"):
+        init_mapper_from(other, two)

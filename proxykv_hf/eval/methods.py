@@ -18,9 +18,12 @@ from ..scorers.base import LayerInputs, Prompt, Scorer
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam", "attn_sum", "attn_max")
-"""Method names. ``attn_sum`` / ``attn_max``: the self proxy's statistics used as scores with no mapper
-(:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`; pooled only with ``pool_kernel``)."""
+METHODS = ("full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam", "attn_sum", "attn_max",
+           "attn_novelty")
+"""Method names. ``attn_sum`` / ``attn_max`` / ``attn_novelty``: the self proxy's statistics (sum, max, lookback)
+used as scores with no mapper (:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`; pooled only with
+``pool_kernel``)."""
+_NO_MAPPER = {"attn_sum": "sum", "attn_max": "max", "attn_novelty": "lookback"}
 
 
 def prompt_key(prompt: Prompt) -> str:
@@ -116,10 +119,10 @@ def build_method(name: str, model, options: MethodOptions) -> RecordingScorer | 
 
         inner = ProxyKVCache.from_pretrained(options.mapper, proxy=options.proxy,
                                              pool_kernel=options.pool_kernel).scorer
-    elif name in ("attn_sum", "attn_max"):
+    elif name in _NO_MAPPER:
         from ..scorers.statistic import AttentionStatisticScorer
 
-        inner = AttentionStatisticScorer(name.removeprefix("attn_"), pool_kernel=options.pool_kernel or 1)
+        inner = AttentionStatisticScorer(_NO_MAPPER[name], pool_kernel=options.pool_kernel or 1)
     elif name == "kvzip_iam":
         from ..scorers.iam import KVzipIAMScorer
 

@@ -205,9 +205,10 @@ def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict
             "proxykv_vs_kvzip": rel}
 
 
-_ORDER = ("kvzip", "proxykv", "attn_max", "attn_sum", "snapkv", "streaming", "random", "kvzip_iam")
+_ORDER = ("kvzip", "proxykv", "attn_novelty", "attn_max", "attn_sum", "snapkv", "streaming", "random", "kvzip_iam")
 _NAMES = {"full": "full cache", "kvzip": "KVzip", "proxykv": "ProxyKV", "attn_max": "no mapper: max (`attn_max`)",
-          "attn_sum": "no mapper: sum (`attn_sum`)", "snapkv": "SnapKV", "streaming": "StreamingLLM",
+          "attn_sum": "no mapper: sum (`attn_sum`)",
+          "attn_novelty": "no mapper: novelty (`attn_novelty`)", "snapkv": "SnapKV", "streaming": "StreamingLLM",
           "random": "random", "kvzip_iam": "KVzip+IAM"}
 
 

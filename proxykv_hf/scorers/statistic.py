@@ -3,7 +3,9 @@
 The self proxy's features (the target's own attention, per query head and key) used directly as scores: the
 "no-mapper" baselines that show how much of ProxyKV's result the HybridAxialMapper itself contributes.
 ``"sum"`` is the attention each key receives summed over all prompt queries (H2O's accumulated attention, Zhang et
-al., 2023, arXiv:2306.14048); ``"max"`` is the largest attention any other prompt query gives it.
+al., 2023, arXiv:2306.14048); ``"max"`` is the largest attention any other prompt query gives it; ``"lookback"``
+scores a token by its novelty, one minus the largest attention it gives, as a query, to text well before it (a
+token copied from earlier text scores low, one with nothing to copy from scores high).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class AttentionStatisticScorer(Scorer):
     ``"max"`` as KVzip does) and optionally pooled along the keys like ProxyKV's scores (``pool_kernel``).
 
     Args:
-        statistic: ``"sum"`` or ``"max"`` (see :func:`~proxykv_hf.scoring.attention_sums`).
+        statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (see :func:`~proxykv_hf.scoring.attention_sums`;
+            ``"lookback"`` scores ``1 - lookback``, the token's novelty).
         group_reduce: ``"max"`` or ``"mean"`` over the query heads of a KV head.
         pool_kernel: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
         n_sink: first tokens always kept.
@@ -54,5 +57,7 @@ class AttentionStatisticScorer(Scorer):
         B, H, T = x.shape
         H_kv = inputs.keys.shape[1]
         grouped = x.float().view(B, H_kv, H // H_kv, T)  # (B, H_kv, G, T)
+        if self.statistic == "lookback":
+            grouped = 1.0 - grouped  # novelty: higher = less copied from earlier text
         scores = grouped.amax(dim=2) if self.group_reduce == "max" else grouped.mean(dim=2)  # (B, H_kv, T)
         return smooth_scores(scores, inputs.valid.to(device), self.pool_kernel, keep_peaks=True)

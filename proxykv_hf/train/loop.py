@@ -168,7 +168,7 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------------ pieces
 ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters start as a no-op: value off
 # the input transform a dataset's statistic gets by default (docs/training.md: the maxima through log1p went unused)
-STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log"}
+STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log", "lookback": "log"}
 # mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
 WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2))}
 
@@ -185,8 +185,10 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
     new, old = mapper.config.to_dict(), start.config.to_dict()
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
     grown = {k for k in diff if k in WIDENING_INPUTS and diff[k][1] > diff[k][0]}
-    if grown and "input_transform" in diff and diff["input_transform"][1].split(",")[0] == old["input_transform"]:
-        grown.add("input_transform")  # the widened mapper reads its new statistics through their own transform
+    if grown and "input_transform" in diff:
+        before, after = old["input_transform"].split(","), diff["input_transform"][1].split(",")
+        if after[:len(before)] == before:
+            grown.add("input_transform")  # the widened mapper reads its new statistics through their own transform
     if any(k not in grown and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
         raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
     state = start.state_dict()
