@@ -9,9 +9,9 @@ Paper section "HybridAxialMapper architecture". One shared network maps the feat
 3. head stage: per token, ``H_s`` synthetic key/value slots of width ``d_head`` are read by a learned bank of
    ``H_l`` target queries, then ``Linear(d_head -> 1)``.
 
-``H_l`` counts the target's KV heads (ERRATA 4). Target layer ``l`` (1-based) reads proxy layer
+``H_l`` counts the target's KV heads (the cache selects per KV head). Target layer ``l`` (1-based) reads proxy layer
 ``ceil(l * L_s / L_l)``; without ``layer_embedding`` target layers sharing a proxy layer get identical
-scores, as in the paper (ERRATA 3). Scores follow the package convention: higher means keep. Where the
+scores, as the paper's shared mapper implies. Scores follow the package convention: higher means keep. Where the
 features carry more than the attention sum (``MapperConfig.num_statistics``), read ``H_s`` below as the
 ``num_statistics * H_s`` feature rows of a layer wherever the input is meant.
 """
@@ -40,13 +40,13 @@ TIME_ENCODERS = ("transformer", "meanpool", "none")
 class MapperConfig:
     """Shape and hyper-parameters of a :class:`HybridAxialMapper`; field defaults are the paper preset.
 
-    Deliberate choices where the paper is inconsistent (see ``paper/ERRATA.md``):
+    Deliberate choices where the paper's text contradicts itself:
 
     * ``ffn_mult = 2``: the paper states FFN width ``4 * d_time`` *and* ~13M encoder parameters; only
       ``2 * d_time`` gives 13M (12.6M for six layers vs 18.9M at 4x) and the stated ~15M total, so the
-      parameter budget wins (ERRATA 1). Set ``ffn_mult=4`` for the literal text.
+      parameter budget wins. Set ``ffn_mult=4`` for the literal text.
     * ``stem_hidden = 256``: a 512-wide first conv would put the second conv alone at 786k weights, above the
-      stated ~0.5M stem; 256 gives 0.42M (ERRATA 2).
+      stated ~0.5M stem; 256 gives 0.42M.
     * ``d_head = 48``: with separate K and V projections ``d_time -> H_s * d_head`` the head stage holds about
       ``2 * d_time * H_s * d_head`` parameters; 48 gives 1.58M for ``H_s = 32`` (Llama-3.2-1B), matching the
       stated ~1.5M, and is a multiple of 16.
@@ -64,7 +64,7 @@ class MapperConfig:
     Ablation switches: ``conv_stem=False`` replaces stage 1 by a pointwise ``Conv1d(k=1) + GELU``;
     ``time_encoder="meanpool"`` replaces the transformer by adding the window's masked mean (no parameters),
     ``"none"`` by the identity; ``head_stage=False`` replaces stage 3 by ``Linear(d_time -> H_l)``;
-    ``layer_embedding=True`` adds a learned target-layer embedding before stage 3 (ERRATA 3, off in the paper).
+    ``layer_embedding=True`` adds a learned target-layer embedding before stage 3 (off in the paper).
 
     Beyond the paper: ``direct_path=True`` adds a residual linear path from the transformed input features to the
     logits. Per target layer ``l`` and KV head ``h`` it adds ``sum_s W[l, h, s] * f_s + b[l, h]``, with ``f_s`` the

@@ -79,7 +79,8 @@ def _reduce(values: Tensor, ok: Tensor, reduction: str) -> Tensor:
 
 def mass_recovery(pred_scores: Tensor, target: Tensor, keep_ratio: float, mask: Tensor | None = None, *,
                   relative: bool = False, reduction: str = "mean") -> Tensor:
-    """Share of the oracle's score mass that falls inside the predicted Top-K set (ERRATA 5).
+    """Share of the oracle's score mass that falls inside the predicted Top-K set (the paper's training metric,
+    not its task-accuracy recovery).
 
     Args:
         pred_scores: ``(..., N)`` predicted scores (logits are fine: only their order matters).
