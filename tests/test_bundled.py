@@ -13,6 +13,8 @@ def test_shipped_checkpoint_matches_smollm2_shape():
     assert (ckpt.target.num_layers, ckpt.target.num_kv_heads, ckpt.target.num_heads) == (30, 3, 9)
     assert ckpt.mapper.config.num_target_layers == 30 and ckpt.mapper.config.num_target_heads == 3
     assert ckpt.proxy.num_heads == 9
+    assert ckpt.proxy.kind == "self" and ckpt.proxy.statistics == ["sum", "max", "lookback"]  # docs/training.md
+    assert ckpt.mapper.config.num_statistics == 3
     assert ckpt.metrics, "the checkpoint records its validation metrics"
 
 
