@@ -91,7 +91,8 @@ class ProxyKVPipeline:
 
     Args:
         model: a causal LM of a supported family.
-        tokenizer: its tokenizer (left padding is enforced).
+        tokenizer: its tokenizer (left unmodified: batches are left-padded here, with its pad token or, where it has
+            none, its end-of-sequence token).
         cache_source: see :func:`make_cache_factory`.
         keep_ratio: the budget, when ``cache_source`` is a checkpoint or a scorer.
 
@@ -103,15 +104,13 @@ class ProxyKVPipeline:
 
     def __init__(self, model, tokenizer, cache_source=None, *, keep_ratio: float | None = None, **cache_kwargs):
         self.model, self.tokenizer = model, tokenizer
-        self.tokenizer.padding_side = "left"
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.new_cache = make_cache_factory(cache_source, keep_ratio, **cache_kwargs)
 
     def _gen_kwargs(self, kwargs: dict) -> dict:
         kwargs.setdefault("do_sample", False)
         kwargs.setdefault("max_new_tokens", 64)
-        kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id)
+        kwargs.setdefault("pad_token_id", self.pad_token_id)
         return kwargs
 
     def _chat_parts(self, context: str, question: str) -> tuple[str, str]:
@@ -128,10 +127,13 @@ class ProxyKVPipeline:
     def __call__(self, prompts, **generate_kwargs) -> list[str]:
         """Answer plain prompts (a string or a list), batched with left padding; one cache per call."""
         single = isinstance(prompts, str)
-        batch = self.tokenizer([prompts] if single else list(prompts), return_tensors="pt", padding=True,
-                               add_special_tokens=False).to(self.model.device)
-        out = self.model.generate(**batch, past_key_values=self.new_cache(), **self._gen_kwargs(generate_kwargs))
-        texts = self.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        rows = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in ([prompts] if single else prompts)]
+        n = max(map(len, rows))
+        ids = torch.tensor([[self.pad_token_id] * (n - len(r)) + r for r in rows], device=self.model.device)
+        mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows], device=self.model.device)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=self.new_cache(),
+                                  **self._gen_kwargs(generate_kwargs))
+        texts = self.tokenizer.batch_decode(out[:, n:], skip_special_tokens=True)
         return texts[0] if single else texts
 
     def ask(self, context: str, questions: str | list[str], **generate_kwargs) -> str | list[str]:

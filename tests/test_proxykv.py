@@ -196,6 +196,18 @@ def test_query_agnostic_reuse_equals_full_prompt_at_full_budget(target):
                                                               for q in questions]
 
 
+def test_pipeline_batches_with_left_padding_and_leaves_the_tokenizer_alone(target):
+    """A batch of prompts of different lengths is left-padded by the pipeline itself: each answer equals that prompt
+    answered alone, and the caller's tokenizer keeps its padding side and pad token."""
+    tok = tiny_tokenizer()
+    tok.padding_side, before = "right", tok.pad_token_id
+    pipe = ProxyKVPipeline(target, tok, SnapKVScorer(window=4), keep_ratio=0.5)
+    prompts = ["The vault code is 9431. " * 4, "A short one."]
+    both = pipe(prompts, max_new_tokens=4)
+    assert both == [pipe(p, max_new_tokens=4) for p in prompts]
+    assert tok.padding_side == "right" and tok.pad_token_id == before
+
+
 def test_snapshot_restore(target):
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5)
     target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
