@@ -15,122 +15,17 @@ help from its ``Attributes:`` docstring section, so each default and description
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
 import logging
-import re
 import sys
 import tempfile
-import typing
 from pathlib import Path
 
 import torch
 
-from .hub import BUNDLED_DIR, BUNDLED_MAPPER as _BUNDLED_NAME
+from .cli_helpers import BUNDLED_MAPPER, add_dataclass_args, dtype_of, field_docs, from_args, load, mapper_for
 
-BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def field_docs(cls) -> dict[str, str]:
-    """Each field's description from the ``Attributes:`` section of ``cls``'s Google-style docstring, reST markup
-    (````x````, ``:func:`~a.b```) reduced to plain text; a line ``a, b: text`` describes both fields."""
-    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
-    if "Attributes:" not in lines:
-        return {}
-    found: dict[str, str] = {}
-    names: list[str] = []
-    for line in lines[lines.index("Attributes:") + 1:]:
-        if line and not line.startswith(" "):
-            break  # the next section
-        entry = re.match(r"^    (\w+(?:, \w+)*): (.*)$", line)
-        if entry:
-            names = entry.group(1).split(", ")
-            found.update(dict.fromkeys(names, entry.group(2)))
-        elif names and line.strip():
-            found.update({n: found[n] + " " + line.strip() for n in names})
-    plain = lambda text: re.sub(r":\w+:`~?(?:[\w.]*\.)?(\w+)`", r"\1", text).replace("``", "")  # noqa: E731
-    return {name: plain(text) for name, text in found.items()}
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (),
-                       choices: dict[str, typing.Sequence] | None = None) -> None:
-    """``--field-name`` options for the simple fields (int, float, str, bool, lists of those) of ``cls``, with
-    their help from :func:`field_docs`; ``choices`` restricts the values of the fields it names."""
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
-    choices = choices or {}
-    for f in dataclasses.fields(cls):
-        if f.name in skip or f.name.startswith("_"):
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        base = hint
-        if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-            base = next(a for a in typing.get_args(hint) if a is not type(None))  # Optional[X] -> X
-        text = docs.get(f.name, "").replace("%", "%%")  # argparse formats help with %
-        if base is bool or isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
-        elif isinstance(default, (list, tuple)) or typing.get_origin(base) in (list, tuple):
-            inner = typing.get_args(base)[0] if typing.get_args(base) else str
-            parser.add_argument(flag, nargs="+", type=inner if inner in (int, float, str) else str, default=default,
-                                choices=choices.get(f.name), help=text)
-        elif base in (int, float, str):
-            parser.add_argument(flag, type=base, default=default, choices=choices.get(f.name), help=text)
-
-
-def from_args(cls, ns: argparse.Namespace, **extra):
-    names = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in vars(ns).items() if k in names and v is not None}
-    values.update(extra)
-    for f in dataclasses.fields(cls):  # tuples stay tuples
-        if f.name in values and isinstance(f.default, tuple):
-            values[f.name] = tuple(values[f.name])
-    return cls(**values)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def load(ns) -> tuple:
-    """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default."""
-    if getattr(ns, "tiny", False):
-        from .testing import tiny_model, tiny_tokenizer
-
-        return tiny_model("llama", num_hidden_layers=4), tiny_tokenizer()
-    from .models import load_model_and_tokenizer
-
-    return load_model_and_tokenizer(ns.model, dtype=_dtype(ns.dtype), device=ns.device)
-
-
-def tiny_mapper_checkpoint(model, directory: str) -> str:
-    """A random (untrained) mapper for ``--tiny`` runs: exercises the machinery, predicts nothing useful."""
-    from .hub import Checkpoint, save_checkpoint
-    from .mapper import HybridAxialMapper, MapperConfig
-    from .proxy import ProxySpec, every_kth_layer
-    from .train.data import target_spec_of
-
-    layers = every_kth_layer(model.config.num_hidden_layers, 2)
-    spec = ProxySpec(kind="layers", num_layers=len(layers), num_heads=model.config.num_attention_heads,
-                     layers=layers)
-    target = target_spec_of(model, "tiny")
-    cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=spec.num_heads,
-                            num_target_layers=target.num_layers, num_target_heads=target.num_kv_heads)
-    torch.manual_seed(0)
-    save_checkpoint(Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target), directory)
-    return directory
-
-
-def _mapper_for(ns, model, tmp: str) -> str | None:
-    if getattr(ns, "mapper", None):
-        return ns.mapper
-    if getattr(ns, "tiny", False):
-        return tiny_mapper_checkpoint(model, tmp)
-    return str(BUNDLED_MAPPER) if BUNDLED_MAPPER.is_dir() else None
+__all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -157,7 +52,7 @@ def cmd_generate(ns) -> int:
 
     model, tok = load(ns)
     with tempfile.TemporaryDirectory() as tmp:
-        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), pool_kernel=ns.pool_kernel)
+        options = MethodOptions(tokenizer=tok, mapper=mapper_for(ns, model, tmp), pool_kernel=ns.pool_kernel)
         scorer = build_method(ns.method, model, options)
         pipe = ProxyKVPipeline(model, tok, None if scorer is None else scorer.inner,
                                keep_ratio=1.0 if scorer is None else ns.keep_ratio)
@@ -181,7 +76,7 @@ def cmd_eval(ns) -> int:
     model, tok = load(ns)
     cfg = from_args(EvalConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
-        options = MethodOptions(tokenizer=tok, mapper=_mapper_for(ns, model, tmp), seed=ns.seed,
+        options = MethodOptions(tokenizer=tok, mapper=mapper_for(ns, model, tmp), seed=ns.seed,
                                 kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel)
         out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
@@ -209,7 +104,7 @@ def cmd_build_data(ns) -> int:
     if cfg.proxy_kind == "model":
         from .models import load_model
 
-        proxy = load_model(cfg.proxy_model_id, dtype=_dtype(ns.dtype), device=ns.device)
+        proxy = load_model(cfg.proxy_model_id, dtype=dtype_of(ns.dtype), device=ns.device)
     manifest = build_dataset(texts, model, tok, ns.out, cfg, proxy=proxy, scores_from=ns.scores_from)
     print(json.dumps(manifest.summary(), indent=2))
     return 0

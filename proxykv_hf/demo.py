@@ -35,7 +35,7 @@ def _first_token_time(model, cache, ctx, q) -> float:
 
 
 def run_demo(ns) -> int:
-    from .cli import _mapper_for, load
+    from .cli_helpers import load, mapper_for
 
     print("loading the model (the first run converts the bundled GGUF once, ~30 s) ...", flush=True)
     model, tok = load(ns)
@@ -45,7 +45,7 @@ def run_demo(ns) -> int:
     print(f"prompt: {ctx.shape[1] + q.shape[1]} tokens, task {sample.task}; question: {sample.question!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        mapper = _mapper_for(ns, model, tmp)
+        mapper = mapper_for(ns, model, tmp)
         options = MethodOptions(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel)
         methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
         if len(methods) < len(ns.methods):

@@ -1,5 +1,5 @@
-"""The core never imports the tooling (train/, eval/, bench/, cli, pipeline), and importing the package does no
-work beyond registering the pipeline task."""
+"""The core never imports the tooling (train/, eval/, bench/, cli, pipeline), the package's modules import each
+other without cycles, and importing the package does no work beyond registering the pipeline task."""
 
 import ast
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "proxykv_hf"
 CORE = ["cache.py", "selection.py", "scoring.py", "attention.py", "mapper.py", "proxy.py", "hub.py",
         *[f"scorers/{p.name}" for p in (PKG / "scorers").glob("*.py")]]
-TOOLING = ("train", "eval", "bench", "cli", "pipeline", "demo")
+TOOLING = ("train", "eval", "bench", "cli", "cli_helpers", "pipeline", "demo")
 
 
 def _imports(path: Path) -> set[str]:
@@ -36,3 +36,53 @@ def test_import_is_light():
             "from transformers.pipelines import PIPELINE_REGISTRY;"
             "assert 'proxykv-generation' in PIPELINE_REGISTRY.get_supported_tasks()")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _edges(path: Path, known: set[str]) -> set[str]:
+    """The package modules ``path`` imports, at any depth of its code (function-level imports included) except
+    under ``if TYPE_CHECKING:``; ``from .x import y`` counts ``x.y`` where that is a module, else ``x``."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return (found & known) - {me}
+
+
+def test_no_import_cycles():
+    paths = list(PKG.rglob("*.py"))
+    known = {_module_name(p) for p in paths}
+    graph = {_module_name(p): _edges(p, known) for p in paths}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = trail[trail.index(nxt):] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

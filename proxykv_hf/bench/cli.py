@@ -24,7 +24,7 @@ def _scorers(ns, model, tok, tmp: str):
     """name -> scorer (None for the full cache), plus the model the ProxyKV scorer's features come from (for its
     breakdown; None without ProxyKV)."""
     from ..cache import ProxyKVCache
-    from ..cli import _mapper_for
+    from ..cli_helpers import mapper_for
     from ..scorers import SnapKVScorer
 
     scorers, runner = {"full": None}, None
@@ -40,7 +40,7 @@ def _scorers(ns, model, tok, tmp: str):
 
             scorers[method] = KVzipIAMScorer(tok, proxy=getattr(ns, "_proxy_model", None))
         elif method == "proxykv":
-            mapper = getattr(ns, "_mapper_dir", None) or _mapper_for(ns, model, tmp)
+            mapper = getattr(ns, "_mapper_dir", None) or mapper_for(ns, model, tmp)
             if mapper is None:
                 raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
             scorer = ProxyKVCache.from_pretrained(mapper, proxy=getattr(ns, "_proxy_model", None),
@@ -96,7 +96,7 @@ def _is_json(value) -> bool:
 
 
 def _setup(ns, tmp: str):
-    from ..cli import load
+    from ..cli_helpers import load
 
     model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
     scorers, runner = _scorers(ns, model, tok, tmp)
@@ -105,7 +105,7 @@ def _setup(ns, tmp: str):
 
 def _measure_peak(spec: dict) -> int:
     """The child of :func:`fresh_memory_probe`: print one JSON line with the peak prefill bytes of one point."""
-    from ..cli import from_args
+    from ..cli_helpers import from_args
 
     ns = argparse.Namespace(**spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +117,7 @@ def _measure_peak(spec: dict) -> int:
 
 
 def run_bench(ns) -> int:
-    from ..cli import from_args
+    from ..cli_helpers import from_args
 
     cfg = from_args(BenchConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:

@@ -158,3 +158,39 @@ def _name(rng: random.Random, seen: set[str]) -> str:
 
 def _person(rng: random.Random, seen: set[str]) -> str:
     return _unique(lambda: f"{rng.choice(_FIRST_NAMES)} {_pseudo_word(rng).capitalize()}", seen)
+
+
+def qa_document(rng: random.Random, seen: set[str]) -> tuple[str, list[tuple[str, str, str]]]:
+    """A short document about a fictional entity and its ``(question, answer, entity)`` triples."""
+    kind = rng.randrange(3)
+    year = str(rng.randint(1400, 1950))
+    product = rng.choice(_PRODUCTS)
+    if kind == 0:
+        town, region, river, founder = _name(rng, seen), _name(rng, seen), _name(rng, seen), _person(rng, seen)
+        text = (f"{town} is a small town in the {region} valley. It was founded in {year} by {founder}. The town is "
+                f"famous for its {product}, which are sold in markets across the region. Its oldest bridge crosses "
+                f"the {river} river.")
+        qas = [(f"In which year was the town of {town} founded?", year, town),
+               (f"Who founded the town of {town}?", founder, town),
+               (f"What is the town of {town} famous for?", product, town)]
+    elif kind == 1:
+        person, town = _person(rng, seen), _name(rng, seen)
+        profession = rng.choice(_PROFESSIONS)
+        first = person.split()[0]
+        text = (f"{person} was {_article(profession)} born in {year} in the town of {town}. {first} is best "
+                f"remembered for a long study of {rng.choice(ADJECTIVES)} {_plural(rng.choice(NOUNS))}. In later "
+                f"years {first} collected {product} and gave them to friends.")
+        qas = [(f"What was the profession of {person}?", profession, person),
+               (f"In which town was {person} born?", town, person),
+               (f"In which year was {person} born?", year, person)]
+    else:
+        company = _unique(lambda: f"{_pseudo_word(rng).capitalize()} {rng.choice(_COMPANY_SUFFIXES)}", seen)
+        founder, town = _person(rng, seen), _name(rng, seen)
+        staff = str(rng.randint(12, 950))
+        text = (f"{company} is a company that makes {product}. It was started in {year} by {founder} and has its "
+                f"headquarters in {town}. Today {company} employs about {staff} people.")
+        qas = [(f"What does the company {company} make?", product, company),
+               (f"In which town does {company} have its headquarters?", town, company),
+               (f"Who started the company {company}?", founder, company),
+               (f"How many people does {company} employ?", staff, company)]
+    return text, qas

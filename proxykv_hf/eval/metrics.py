@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .tasks import Sample
+    from .haystack import Sample
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .tasks import Sample
+    from .haystack import Sample
 
 logger = logging.getLogger(__name__)
 

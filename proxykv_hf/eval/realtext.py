@@ -23,7 +23,8 @@ import random
 from collections.abc import Callable
 
 from . import corpora
-from ._text import ADJECTIVES, NOUNS, _FIRST_NAMES, _pseudo_word, _unique
+from ._text import ADJECTIVES, NOUNS, _FIRST_NAMES, _pseudo_word, _unique, qa_document
+from .haystack import Haystack, Sample, fit_context
 
 FAMILIES = ("needle", "multikey", "multivalue", "multiquery", "vt", "qa", "passkey")
 
@@ -123,9 +124,8 @@ class _Units:
         return self.items[i]
 
 
-def make_sample(family: str, corpus: str, req) -> "Sample":  # noqa: F821 (tasks.Sample, imported lazily)
+def make_sample(family: str, corpus: str, req) -> Sample:
     """One sample of ``family`` over ``corpus`` for a :class:`~proxykv_hf.eval.tasks.TaskRequest`."""
-    from .tasks import Sample, _fit, _Haystack
 
     if family not in FAMILIES:
         raise ValueError(f"unknown real-text family {family!r}; choose from {', '.join(FAMILIES)}")
@@ -168,12 +168,11 @@ def make_sample(family: str, corpus: str, req) -> "Sample":  # noqa: F821 (tasks
         question = f"Which variables in the text end up holding the value {value}? Name all of them."
         meta["query"] = [value]
     elif family == "qa":
-        from .tasks import _qa_document
 
         seen = set()
-        gold, qas = _qa_document(rng, seen)
+        gold, qas = qa_document(rng, seen)
         question, answer, entity = rng.choice(qas)
-        others = [_qa_document(rng, seen)[0] for _ in range(2)]
+        others = [qa_document(rng, seen)[0] for _ in range(2)]
         needles = [(req.depth, gold)] + [(rng.random(), o) for o in others]
         answers, metric = [answer], "part"
         question = f"Answer briefly from the text. {question}"
@@ -190,9 +189,9 @@ def make_sample(family: str, corpus: str, req) -> "Sample":  # noqa: F821 (tasks
         meta["query"] = [word]
     needles = sorted(((d, t + sep) for d, t in needles), key=lambda p: p[0])
     meta["depths"] = [d for d, _ in needles]
-    hay = _Haystack(preamble=(instruction + "\n\n") if instruction else "", filler=units, needles=needles,
+    hay = Haystack(preamble=(instruction + "\n\n") if instruction else "", filler=units, needles=needles,
                     splittable=False)
-    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, task)
+    context, tokens = fit_context(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, task)
     meta["context_tokens"] = tokens
     return Sample(task=task, context=context, question=question, answers=answers, metric=metric, meta=meta,
                   answer_prefix=prefix)

@@ -16,17 +16,15 @@ item (needle lines, list entries) of the target.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from ._text import (ADJECTIVES, NOUNS, WORDS, _article, _COMPANY_SUFFIXES, _essay_unit, _name, _noise_unit, _number,
-                    _person, _plural, _PRODUCTS, _PROFESSIONS, _pseudo_word, _unique, _uuid, _word_key)
+from ._text import WORDS, _essay_unit, _noise_unit, _number, _pseudo_word, _unique, _uuid, _word_key, qa_document
+from .haystack import Haystack, Sample, Stream, TaskFn, TaskRequest, fit_context
 from .prompts import build_prompt, encode_sample, prompt_texts
 
 __all__ = ["Sample", "TaskRequest", "TASKS", "TASK_FAMILIES", "generate", "family_of", "task_fn", "token_counter",
@@ -36,64 +34,6 @@ logger = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------------------------
 # samples
-
-
-@dataclass
-class Sample:
-    """One task instance.
-
-    Attributes:
-        task: task name (a key of :data:`TASKS`).
-        context: instructions + haystack; query-agnostic, compressed alone by the harness.
-        question: the question asked after the context.
-        answers: reference strings; see ``metric``.
-        metric: ``"all"`` (fraction of ``answers`` in the prediction) or ``"part"`` (1 if any is).
-        meta: seed, index, depth(s), target and actual context tokens, query strings, ...
-        answer_prefix: text that starts the assistant's answer (RULER's answer prefix); may be empty.
-    """
-
-    task: str
-    context: str
-    question: str
-    answers: list[str]
-    metric: str
-    meta: dict[str, Any] = field(default_factory=dict)
-    answer_prefix: str = ""
-
-    def __post_init__(self) -> None:
-        if self.metric not in ("all", "part"):
-            raise ValueError(f"metric must be 'all' or 'part', got {self.metric!r}")
-        if not self.answers or not all(isinstance(a, str) and a for a in self.answers):
-            raise ValueError(f"answers must be a non-empty list of non-empty strings, got {self.answers!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serializable dict (the inverse of :meth:`from_dict`)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Sample:
-        """Rebuild a sample written by :meth:`to_dict`."""
-        return cls(**data)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskRequest:
-    """What a task generator gets: its random source, the token counter, the target and the needle depth.
-
-    Attributes:
-        rng: the sample's own random generator (seeded from task, seed and index).
-        count_tokens: ``text -> number of tokens`` for the evaluation tokenizer.
-        target_tokens: the context length to fit.
-        depth: the main needle's depth in [0, 1), spread evenly over sample indices.
-    """
-
-    rng: random.Random
-    count_tokens: Callable[[str], int]
-    target_tokens: int
-    depth: float
-
-
-TaskFn = Callable[[TaskRequest], Sample]
 
 
 def token_counter(tokenizer: Any) -> Callable[[str], int]:
@@ -154,116 +94,6 @@ def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # a low-discrepancy step: any run of indices covers [0, 1) evenly
 
 # ----------------------------------------------------------------------------------------------------------------
-# fitting a haystack to a token budget
-
-
-class _Stream:
-    """An endless, lazily extended, deterministic sequence: ``item(rng, i)`` is called for i = 0, 1, 2, ..."""
-
-    def __init__(self, item: Callable[[random.Random, int], str], rng: random.Random) -> None:
-        self._item, self._rng, self._items = item, rng, []
-
-    def __getitem__(self, i: int) -> str:
-        while len(self._items) <= i:
-            self._items.append(self._item(self._rng, len(self._items)))
-        return self._items[i]
-
-
-@dataclass
-class _Haystack:
-    """``preamble`` + filler units with ``needles`` inserted at depth fractions among them.
-
-    Units carry their own trailing separator. ``render(n, extra)`` uses the first ``n`` units and, when
-    ``splittable``, the first ``extra`` words of unit ``n``. ``wrap(k, piece)`` formats the k-th piece (QA docs).
-    """
-
-    preamble: str
-    filler: _Stream
-    needles: Sequence[tuple[float, str]] = ()
-    splittable: bool = False
-    wrap: Callable[[int, str], str] | None = None
-
-    def render(self, n: int, extra: int = 0) -> str:
-        units = [self.filler[i] for i in range(n)]
-        if extra:
-            units.append(" ".join(self.filler[n].split()[:extra]) + " ")
-        pieces = _insert(units, self.needles)
-        if self.wrap is not None:
-            pieces = [self.wrap(k, p) for k, p in enumerate(pieces, 1)]
-        return (self.preamble + "".join(pieces)).rstrip()
-
-    def max_extra(self, n: int) -> int:
-        return max(0, len(self.filler[n].split()) - 1) if self.splittable else 0
-
-
-def _insert(units: list[str], needles: Sequence[tuple[float, str]]) -> list[str]:
-    """Insert each needle ``(depth, text)`` before unit ``round(depth * len(units))``, keeping needle order."""
-    slots: dict[int, list[str]] = {}
-    for depth, text in needles:
-        slots.setdefault(min(len(units), round(depth * len(units))), []).append(text)
-    out: list[str] = []
-    for i in range(len(units) + 1):
-        out.extend(slots.get(i, ()))
-        if i < len(units):
-            out.append(units[i])
-    return out
-
-
-def _fit(render: Callable[[int, int], str], max_extra: Callable[[int], int], count: Callable[[str], int],
-         target: int, task: str) -> tuple[str, int]:
-    """The longest ``render(n, extra)`` with at most ``target`` tokens, as ``(text, tokens)``.
-
-    Interpolation search over ``n`` (tokens per unit estimated from the probes, so a handful of tokenizations
-    of the full context), then bisection over ``extra`` words of the next unit when that is allowed.
-    """
-    seen: dict[tuple[int, int], tuple[int, str]] = {}
-
-    def f(n: int, extra: int = 0) -> int:
-        if (n, extra) not in seen:
-            text = render(n, extra)
-            seen[(n, extra)] = (count(text), text)
-        return seen[(n, extra)][0]
-
-    t0 = f(0)
-    if t0 > target:
-        raise ValueError(f"target_tokens={target} is too small for task {task!r}: its fixed part (instructions, "
-                         f"needles, answer material) alone takes {t0} tokens with this tokenizer; ask for at least "
-                         f"{t0}")
-    lo, t_lo, hi = 0, t0, None  # invariant: f(lo) <= target < f(hi)
-    slope: float | None = None  # tokens per unit, averaged over the probes
-    cap = 4 * target + 64  # every unit holds at least ~1 token; guards against a render that ignores n
-    steps = 0
-    while hi is None or hi - lo > 1:
-        steps += 1
-        guess = lo + 8 if slope is None else lo + int((target - t_lo) / slope)
-        if hi is None:
-            guess = min(max(guess, lo + 1), cap)
-        else:
-            if steps > 12:  # interpolation is not converging: bisect
-                guess = (lo + hi) // 2
-            guess = min(max(guess, lo + 1), hi - 1)
-        t = f(guess)
-        slope = max((t - t0) / guess, 1e-3)
-        if t <= target:
-            lo, t_lo = guess, t
-            if lo >= cap:
-                logger.warning("task %r: the context stopped growing at %d tokens (target %d)", task, t, target)
-                break
-        else:
-            hi = guess
-    extra_lo, extra_hi = 0, max_extra(lo) + 1  # f(lo, extra_lo) <= target; extra_hi is out of range
-    if target - t_lo > max(1, 0.002 * target):
-        while extra_hi - extra_lo > 1:
-            mid = (extra_lo + extra_hi) // 2
-            if f(lo, mid) <= target:
-                extra_lo = mid
-            else:
-                extra_hi = mid
-    tokens, text = seen[(lo, extra_lo)]
-    return text, tokens
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # needle in a haystack (RULER niah_*)
 
 
@@ -289,19 +119,19 @@ def _niah(req: TaskRequest, *, task: str, haystack: str, key_kind: str, value_ki
     needles = sorted(zip(depths, [t + sep for t in texts]), key=lambda p: p[0])
 
     if haystack == "noise":
-        filler, splittable = _Stream(_noise_unit, rng), False
+        filler, splittable = Stream(_noise_unit, rng), False
     elif haystack == "essay":
-        filler, splittable = _Stream(_essay_unit, random.Random(rng.getrandbits(64))), True
+        filler, splittable = Stream(_essay_unit, random.Random(rng.getrandbits(64))), True
     else:  # distractor needles with other keys
         def distractor(r: random.Random, i: int) -> str:
             key = _unique(lambda: _word_key(r) if key_kind == "word" else _uuid(r), keys_seen)
             value = _unique(lambda: _number(r) if value_kind == "number" else _uuid(r), values_seen)
             return needle(kind=kind, key=key, value=value) + "\n"
-        filler, splittable = _Stream(distractor, random.Random(rng.getrandbits(64))), False
-    hay = _Haystack(preamble=f"Some special magic {kind} are hidden within the following text. Make sure to "
+        filler, splittable = Stream(distractor, random.Random(rng.getrandbits(64))), False
+    hay = Haystack(preamble=f"Some special magic {kind} are hidden within the following text. Make sure to "
                              f"memorize it. I will quiz you about the {kind} afterwards.\n",
                     filler=filler, needles=needles, splittable=splittable)
-    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, task)
+    context, tokens = fit_context(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, task)
 
     query_keys = [keys[q] for q in queried]
     query = query_keys[0] if len(query_keys) == 1 else ", ".join(query_keys[:-1]) + ", and " + query_keys[-1]
@@ -336,9 +166,9 @@ def variable_tracking(req: TaskRequest, *, num_hops: int = 4) -> Sample:
     value = str(rng.randint(10000, 99999))
     chain = [f"VAR {names[0]} = {value}. "] + [f"VAR {names[j + 1]} = VAR {names[j]}. " for j in range(num_hops)]
     depths = sorted([req.depth] + [rng.random() for _ in range(num_hops)])
-    hay = _Haystack(preamble="Memorize and track the chain(s) of variable assignment hidden in the following "
-                             "text.\n\n", filler=_Stream(_noise_unit, rng), needles=list(zip(depths, chain)))
-    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, "vt")
+    hay = Haystack(preamble="Memorize and track the chain(s) of variable assignment hidden in the following "
+                             "text.\n\n", filler=Stream(_noise_unit, rng), needles=list(zip(depths, chain)))
+    context, tokens = fit_context(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, "vt")
     return Sample(task="vt", context=context,
                   question=f"Find all variables that are assigned the value {value} in the text above.",
                   answers=names, metric="all",
@@ -362,7 +192,7 @@ def common_words_extraction(req: TaskRequest) -> Sample:
     def uncommon(r: random.Random, i: int) -> str:
         return rest[i] if i < len(rest) else _unique(lambda: _pseudo_word(r), seen)
 
-    words = _Stream(uncommon, random.Random(rng.getrandbits(64)))
+    words = Stream(uncommon, random.Random(rng.getrandbits(64)))
     shuffle_seed = rng.getrandbits(64)
     preamble = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize "
                 "the ones that appear most often.\n")
@@ -380,7 +210,7 @@ def common_words_extraction(req: TaskRequest) -> Sample:
         render = renderer(common, freq_cw, freq_ucw)
         if req.count_tokens(render(0)) <= target:
             break
-    context, tokens = _fit(render, lambda n: 0, req.count_tokens, target, "cwe")
+    context, tokens = fit_context(render, lambda n: 0, req.count_tokens, target, "cwe")
     return Sample(task="cwe", context=context,
                   question=f"What are the {num_cw} most common words in the above list?", answers=common,
                   metric="all", meta={"depth": None, "query": [], "context_tokens": tokens, "freq_cw": freq_cw,
@@ -409,7 +239,7 @@ def frequent_words_extraction(req: TaskRequest, *, alpha: float = 2.0, vocab_siz
         random.Random(f"{shuffle_seed}:{n}").shuffle(items)
         return preamble + " ".join(items)
 
-    context, tokens = _fit(render, lambda n: 0, req.count_tokens, req.target_tokens, "fwe")
+    context, tokens = fit_context(render, lambda n: 0, req.count_tokens, req.target_tokens, "fwe")
     return Sample(task="fwe", context=context,
                   question="Do not provide any explanation. Please ignore the dots '....'. What are the three most "
                            "frequently appeared words in the above coded text?",
@@ -426,55 +256,19 @@ def _zeta(alpha: float) -> float:
     return sum(k ** -alpha for k in range(1, n)) + n ** (1 - alpha) / (alpha - 1)
 
 
-def _qa_document(rng: random.Random, seen: set[str]) -> tuple[str, list[tuple[str, str, str]]]:
-    """A short document about a fictional entity and its ``(question, answer, entity)`` triples."""
-    kind = rng.randrange(3)
-    year = str(rng.randint(1400, 1950))
-    product = rng.choice(_PRODUCTS)
-    if kind == 0:
-        town, region, river, founder = _name(rng, seen), _name(rng, seen), _name(rng, seen), _person(rng, seen)
-        text = (f"{town} is a small town in the {region} valley. It was founded in {year} by {founder}. The town is "
-                f"famous for its {product}, which are sold in markets across the region. Its oldest bridge crosses "
-                f"the {river} river.")
-        qas = [(f"In which year was the town of {town} founded?", year, town),
-               (f"Who founded the town of {town}?", founder, town),
-               (f"What is the town of {town} famous for?", product, town)]
-    elif kind == 1:
-        person, town = _person(rng, seen), _name(rng, seen)
-        profession = rng.choice(_PROFESSIONS)
-        first = person.split()[0]
-        text = (f"{person} was {_article(profession)} born in {year} in the town of {town}. {first} is best "
-                f"remembered for a long study of {rng.choice(ADJECTIVES)} {_plural(rng.choice(NOUNS))}. In later "
-                f"years {first} collected {product} and gave them to friends.")
-        qas = [(f"What was the profession of {person}?", profession, person),
-               (f"In which town was {person} born?", town, person),
-               (f"In which year was {person} born?", year, person)]
-    else:
-        company = _unique(lambda: f"{_pseudo_word(rng).capitalize()} {rng.choice(_COMPANY_SUFFIXES)}", seen)
-        founder, town = _person(rng, seen), _name(rng, seen)
-        staff = str(rng.randint(12, 950))
-        text = (f"{company} is a company that makes {product}. It was started in {year} by {founder} and has its "
-                f"headquarters in {town}. Today {company} employs about {staff} people.")
-        qas = [(f"What does the company {company} make?", product, company),
-               (f"In which town does {company} have its headquarters?", town, company),
-               (f"Who started the company {company}?", founder, company),
-               (f"How many people does {company} employ?", staff, company)]
-    return text, qas
-
-
 def question_answering(req: TaskRequest) -> Sample:
     """RULER-style ``qa`` on generated documents: one gold document among distractors about other entities."""
     rng = req.rng
     seen: set[str] = set()
-    gold, qas = _qa_document(rng, seen)
+    gold, qas = qa_document(rng, seen)
     question, answer, entity = rng.choice(qas)
     instruction = "Answer the question based on the given documents. Only give me the answer and do not output " \
                   "any other words."
-    docs = _Stream(lambda r, i: _qa_document(r, seen)[0], random.Random(rng.getrandbits(64)))
-    hay = _Haystack(preamble=f"{instruction}\n\nThe following are given documents.\n\n", filler=docs,
+    docs = Stream(lambda r, i: qa_document(r, seen)[0], random.Random(rng.getrandbits(64)))
+    hay = Haystack(preamble=f"{instruction}\n\nThe following are given documents.\n\n", filler=docs,
                     needles=[(req.depth, gold)], splittable=True,
                     wrap=lambda k, text: f"Document {k}:\n{text.strip()}\n\n")
-    context, tokens = _fit(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, "qa")
+    context, tokens = fit_context(hay.render, hay.max_extra, req.count_tokens, req.target_tokens, "qa")
     return Sample(task="qa", context=context, question=f"{instruction}\n\nQuestion: {question}", answers=[answer],
                   metric="part", meta={"depth": req.depth, "query": [entity], "context_tokens": tokens},
                   answer_prefix="Answer:")
