@@ -1,9 +1,15 @@
-"""A shared check for the ``from_dict`` constructors of the package's config dataclasses."""
+"""What the package's config dataclasses share: the check of their ``from_dict`` constructors and the dtype names
+they accept."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names accepted wherever a dtype is given by name (``--dtype``, ``--storage-dtype``)."""
 
 
 def check_known_fields(cls: type, data: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import typing
 
 import torch
 
+from ._fields import DTYPES
 from .hub import BUNDLED_DIR, BUNDLED_MAPPER as _BUNDLED_NAME
 
 BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
@@ -80,7 +81,7 @@ def from_args(cls, ns: argparse.Namespace, **extra):
 
 def dtype_of(name: str) -> torch.dtype:
     """``"float32"``, ``"bfloat16"`` or ``"float16"`` as a torch dtype."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return DTYPES[name]
 
 
 def load(ns) -> tuple:

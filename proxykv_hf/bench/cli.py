@@ -11,9 +11,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
+from ..cli_helpers import dtype_of, from_args, load, mapper_for
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
 
@@ -24,7 +24,6 @@ def _scorers(ns, model, tok, tmp: str):
     """name -> scorer (None for the full cache), plus the model the ProxyKV scorer's features come from (for its
     breakdown; None without ProxyKV)."""
     from ..cache import ProxyKVCache
-    from ..cli_helpers import mapper_for
     from ..scorers import SnapKVScorer
 
     scorers, runner = {"full": None}, None
@@ -60,7 +59,7 @@ def _shape_setup(ns, tmp: str):
     from ..train.data import target_spec_of
     from .shapes import PAIRS, pair_mapper_config, random_model
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[ns.dtype]
+    dtype = dtype_of(ns.dtype)
     target = random_model(ns.shape, device=ns.device, dtype=dtype)
     proxy = random_model(PAIRS[ns.shape], device=ns.proxy_device or ns.device, dtype=dtype, seed=1)
     spec = ProxySpec(kind="model", num_layers=proxy.config.num_hidden_layers,
@@ -96,7 +95,6 @@ def _is_json(value) -> bool:
 
 
 def _setup(ns, tmp: str):
-    from ..cli_helpers import load
 
     model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
     scorers, runner = _scorers(ns, model, tok, tmp)
@@ -105,7 +103,6 @@ def _setup(ns, tmp: str):
 
 def _measure_peak(spec: dict) -> int:
     """The child of :func:`fresh_memory_probe`: print one JSON line with the peak prefill bytes of one point."""
-    from ..cli_helpers import from_args
 
     ns = argparse.Namespace(**spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,7 +114,6 @@ def _measure_peak(spec: dict) -> int:
 
 
 def run_bench(ns) -> int:
-    from ..cli_helpers import from_args
 
     cfg = from_args(BenchConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,17 +34,17 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .._fields import check_known_fields
+from .._fields import DTYPES as STORAGE_DTYPES, check_known_fields
 from ..hub import TargetSpec
 from ..mapper import window_starts
 from ..proxy import PROXY_KINDS, ProxySpec, every_kth_layer, proxy_features
+from ..scorers.kvzip import full_attention_layers
 from ..scoring import check_statistics
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
-STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 FLOAT16_MAX = 65504
 # Fields that may change between a build and its resumption without changing the data.
 _RESUME_FREE = ("shard_size",)
@@ -260,15 +260,6 @@ def target_spec_of(model, model_id: str | None = None) -> TargetSpec:
     return TargetSpec(model_id=model_id or getattr(model, "name_or_path", "") or "unknown",
                       model_type=cfg.model_type, num_layers=n_full,
                       num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, num_heads=heads)
-
-
-def full_attention_layers(model) -> list[int]:
-    """Indices of the decoder layers with full attention (all of them without ``layer_types``)."""
-    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    types = getattr(cfg, "layer_types", None)
-    if not types:
-        return list(range(cfg.num_hidden_layers))
-    return [i for i, t in enumerate(types) if t == "full_attention"]
 
 
 def check_shared_tokenizer(target, proxy, tokenizer=None, proxy_tokenizer=None, *, names: tuple[str, str] | None = None
