@@ -113,17 +113,6 @@ class ProxyKVPipeline:
         kwargs.setdefault("pad_token_id", self.pad_token_id)
         return kwargs
 
-    def _chat_parts(self, context: str, question: str) -> tuple[str, str]:
-        """The chat-formatted prompt split into a context part and a question part at a newline boundary."""
-        if getattr(self.tokenizer, "chat_template", None):
-            marker = "\u2063PROXYKV_SPLIT\u2063"
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"{context}\n\n{marker}{question}"}], tokenize=False,
-                add_generation_prompt=True)
-            head, tail = text.split(marker)
-            return head, tail
-        return f"{context}\n\n", f"{question}\n"
-
     def __call__(self, prompts, **generate_kwargs) -> list[str]:
         """Answer plain prompts (a string or a list), batched with left padding; one cache per call."""
         single = isinstance(prompts, str)
@@ -138,16 +127,20 @@ class ProxyKVPipeline:
 
     def ask(self, context: str, questions: str | list[str], **generate_kwargs) -> str | list[str]:
         """Compress ``context`` once (query-agnostic) and answer each question from the same compressed cache."""
+        from .eval.prompts import encode_chat_prompt
+
         single = isinstance(questions, str)
         questions = [questions] if single else list(questions)
-        head, _ = self._chat_parts(context, questions[0])
-        ctx = self.tokenizer(head, return_tensors="pt", add_special_tokens=False)["input_ids"].to(self.model.device)
+        parts = [encode_chat_prompt(self.tokenizer, context, q) for q in questions]  # (context ids, question ids)
+        ctx = torch.tensor([parts[0][0]], device=self.model.device)
+        if any(c != parts[0][0] for c, _ in parts):
+            raise ValueError("the chat template renders the context differently for different questions; ask them "
+                             "one at a time")
         cache = compress_context(self.model, self.new_cache(), ctx)
         kwargs = self._gen_kwargs(generate_kwargs)
         answers = []
-        for question in questions:
-            _, tail = self._chat_parts(context, question)
-            q = self.tokenizer(tail, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        for _, question_ids in parts:
+            q = torch.tensor([question_ids])
             ids = answer_from_cache(self.model, cache, ctx, q, **kwargs)
             answers.append(self.tokenizer.decode(ids[0], skip_special_tokens=True))
         return answers[0] if single else answers

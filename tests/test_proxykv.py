@@ -10,6 +10,7 @@ from transformers import DynamicCache, pipeline
 
 import proxykv_hf  # noqa: F401  (registers the pipeline task)
 from proxykv_hf import ProxyKVCache, ProxyKVPipeline, SnapKVScorer
+from proxykv_hf.eval.prompts import encode_chat_prompt
 from proxykv_hf.hub import Checkpoint, TargetSpec, load_checkpoint, save_checkpoint
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import ProxySpec, every_kth_layer, proxy_features
@@ -185,8 +186,7 @@ def test_query_agnostic_reuse_equals_full_prompt_at_full_budget(target):
     questions = ["What is the vault code?", "Say it again."]
     answers = pipe.ask(context, questions, max_new_tokens=6)
     for q, a in zip(questions, answers):
-        head, tail = pipe._chat_parts(context, q)
-        ids = tok(head + tail, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([sum(encode_chat_prompt(tok, context, q), [])])  # the whole prompt's tokens
         out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
                               do_sample=False, pad_token_id=0)
         assert a == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
