@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader, Sampler
 
 from .._fields import check_known_fields
-from ..hub import Checkpoint, load_checkpoint, save_checkpoint
+from ..hub import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from ..mapper import HybridAxialMapper, MapperConfig
 from ..scoring import check_statistics
 from .data import Manifest
@@ -331,7 +331,7 @@ def _save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: _S
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in mapper.state_dict().items()},
-              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+              str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "loss_pairs": gen.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -349,7 +349,7 @@ def _save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: _S
 
 def _find_last(out: Path) -> Path | None:
     for name in (LAST_DIR, LAST_DIR + ".old"):  # .old: interrupted between the two renames
-        if (out / name / "state.pt").is_file() and (out / name / "model.safetensors").is_file():
+        if (out / name / "state.pt").is_file() and (out / name / WEIGHTS_NAME).is_file():
             return out / name
     return None
 
@@ -370,7 +370,7 @@ def _load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: tor
                 if saved["mapper_config"].get(k) != v}
         raise ValueError(f"{path} holds a run with another mapper config (field: (saved, new)) {diff}; "
                          "use another out_dir or resume=False")
-    mapper.load_state_dict(load_file(str(path / "model.safetensors"), device=str(next(mapper.parameters()).device)))
+    mapper.load_state_dict(load_file(str(path / WEIGHTS_NAME), device=str(next(mapper.parameters()).device)))
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     rng = saved["rng"]
@@ -466,7 +466,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
                "num_processes": accelerator.num_processes}
     logger.info("training on %d crops (%d validation), %d steps per epoch, %s x%d", len(train_set), len(val_set),
                 steps_per_epoch, summary["device"], accelerator.num_processes)
-    has_best = (out / "proxykv_config.json").is_file() and state.best_step >= 0
+    has_best = (out / CONFIG_NAME).is_file() and state.best_step >= 0
     last_plot = time.perf_counter()
 
     while not finished():
@@ -550,7 +550,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
 
     if main:
         plot_training(out / LOG_NAME, out / PLOT_NAME)
-    if not (out / "proxykv_config.json").is_file():
+    if not (out / CONFIG_NAME).is_file():
         raise RuntimeError(f"no checkpoint in {out}: the run ended before its first evaluation")
     return load_checkpoint(out)
 
