@@ -281,6 +281,7 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     peak = torch.zeros_like(out) if "max" in statistics else None
     lookback = torch.zeros_like(out) if "lookback" in statistics else None
     first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) if lookback is not None else None
+    first_rows = None if first is None else first.expand(B).tolist()  # read once, not per chunk (no device sync)
     attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], dtype=query.dtype, device=query.device)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
@@ -304,7 +305,7 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
         if query_valid is not None:
             probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
         if lookback is not None:
-            lookback[..., d0:d0 + q1 - q0] = _chunk_lookback(probs, first, d0)
+            lookback[..., d0:d0 + q1 - q0] = _chunk_lookback(probs, first, first_rows, d0)
         out[..., :t_end] += probs.sum(dim=3)
         if peak is not None:
             if T >= Q:  # the query's own key is on the diagonal of the block at d0
@@ -333,15 +334,14 @@ def _first_lookback_key(attention_mask, query_valid, Q: int, T: int, device) -> 
     return start.to(device=device, dtype=torch.long) + LOOKBACK_SINKS
 
 
-def _chunk_lookback(probs: torch.Tensor, first: torch.Tensor, d0: int) -> torch.Tensor:
+def _chunk_lookback(probs: torch.Tensor, first: torch.Tensor, first_rows: list[int], d0: int) -> torch.Tensor:
     """Per query of a chunk, the largest probability on a key at least :data:`LOOKBACK_GAP` positions back and at or
-    after ``first`` (per row): ``probs`` `(B, H_kv, G, C, t)` with the chunk's first query at key position ``d0`` ->
-    `(B, H_kv, G, C)`."""
-    B, C, t = probs.shape[0], probs.shape[3], probs.shape[4]
+    after ``first`` (per row; ``first_rows`` the same on the host): ``probs`` `(B, H_kv, G, C, t)` with the chunk's
+    first query at key position ``d0`` -> `(B, H_kv, G, C)`."""
+    C, t = probs.shape[3], probs.shape[4]
     far = min(max(d0 - LOOKBACK_GAP + 1, 0), t)  # keys before `far` are far enough back for every query of the chunk
     found = probs.new_zeros(probs.shape[:4])
-    for b in range(B):
-        lo = int(first[min(b, first.shape[0] - 1)])
+    for b, lo in enumerate(first_rows):
         if lo < far:
             found[b] = probs[b, ..., lo:far].amax(-1)
     band = probs[..., far:]  # (B, H_kv, G, C, t - far): keys near the diagonal, far enough back for some queries
