@@ -1,27 +1,37 @@
 """proxykv_hf: ProxyKV KV-cache pruning as a drop-in HuggingFace transformers Cache."""
 
-from .cache import ProxyKVCache, ProxyKVLayer
+from .cache import ProxyKVCache
+from .layer import ProxyKVLayer
 from .pipeline import ProxyKVGenerationPipeline, ProxyKVPipeline, register_pipeline
-from .scorers import AttentionStatisticScorer, KVzipScorer, RandomScorer, Scorer, SnapKVScorer, StreamingLLMScorer
-from .scorers.kvzip import full_attention_layers, kvzip_scores
-from .selection import select_topk
+from .scorers import (AttentionStatisticScorer, BackgroundScorer, KVzipIAMScorer, KVzipScorer, LayerInputs,
+                      LayerScorer, ModelScorer, Prompt, ProxyScorer, RandomScorer, Scorer, ScorerContext,
+                      SnapKVScorer, StreamingLLMScorer, register)
 
 __version__ = "0.1.0"
 
 register_pipeline()  # makes pipeline("proxykv-generation") available; nothing else happens on import
 
 __all__ = [
-    "AttentionStatisticScorer",
-    "KVzipScorer",
+    # the cache and the pipeline
     "ProxyKVCache",
     "ProxyKVGenerationPipeline",
     "ProxyKVLayer",
     "ProxyKVPipeline",
+    # scorers
+    "AttentionStatisticScorer",
+    "KVzipIAMScorer",
+    "KVzipScorer",
+    "ProxyScorer",
     "RandomScorer",
-    "Scorer",
     "SnapKVScorer",
     "StreamingLLMScorer",
-    "full_attention_layers",
-    "kvzip_scores",
-    "select_topk",
+    # writing a scorer
+    "BackgroundScorer",
+    "LayerInputs",
+    "LayerScorer",
+    "ModelScorer",
+    "Prompt",
+    "Scorer",
+    "ScorerContext",
+    "register",
 ]

@@ -6,6 +6,7 @@
     proxykv build-data --tasks niah_single_1 qa --n-per-task 20 --tokens 2048 --out runs/data
     proxykv train --data runs/data --out runs/mapper
     proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
+    proxykv eval --plugin mypackage.scorers --methods full mymethod ...   # a scorer registered in your own module
 
 Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
 a local directory, or the bundled default). Options that mirror a config dataclass are generated from it, their
@@ -37,6 +38,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the model runs (default: cuda when there is one)")
     p.add_argument("--mapper", default=None, help="ProxyKV mapper checkpoint (default: the bundled one)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, for the scorers it registers (proxykv_hf.scorers.register)")
 
 
 def _pool_arg(p: argparse.ArgumentParser) -> None:
@@ -47,15 +50,15 @@ def _pool_arg(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------------ commands
 def cmd_generate(ns) -> int:
-    from .eval.methods import MethodOptions, build_method
     from .pipeline import ProxyKVPipeline
+    from .scorers import ScorerContext, registry
 
     model, tok = load(ns)
     with tempfile.TemporaryDirectory() as tmp:
-        options = MethodOptions(tokenizer=tok, mapper=mapper_for(ns, model, tmp), pool_kernel=ns.pool_kernel)
-        scorer = build_method(ns.method, model, options)
-        pipe = ProxyKVPipeline(model, tok, None if scorer is None else scorer.inner,
-                               keep_ratio=1.0 if scorer is None else ns.keep_ratio)
+        mapper = mapper_for(ns, model, tmp) if ns.method == "proxykv" else None
+        scorer = registry.build(ns.method, ScorerContext(model=model, tokenizer=tok, mapper=mapper,
+                                                         pool_kernel=ns.pool_kernel))
+        pipe = ProxyKVPipeline(model, tok, scorer, keep_ratio=1.0 if scorer is None else ns.keep_ratio)
         prompt = Path(ns.prompt_file).read_text() if ns.prompt_file else ns.prompt
         if prompt is None:
             raise SystemExit("give --prompt or --prompt-file")
@@ -70,13 +73,13 @@ def cmd_generate(ns) -> int:
 
 def cmd_eval(ns) -> int:
     from .eval.harness import EvalConfig, run_eval
-    from .eval.methods import MethodOptions
+    from .scorers import ScorerContext
     from .eval.report import write_report
 
     model, tok = load(ns)
     cfg = from_args(EvalConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
-        options = MethodOptions(tokenizer=tok, mapper=mapper_for(ns, model, tmp), seed=ns.seed,
+        options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model, tmp), seed=ns.seed,
                                 kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel)
         out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
@@ -185,13 +188,14 @@ def cmd_demo(ns) -> int:
 
 # ------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    from .bench.run import BENCH_METHODS, BenchConfig
-    from .eval.splits import SPLITS
+    from .bench.run import BenchConfig
     from .eval.harness import EvalConfig
-    from .eval.methods import METHODS
+    from .eval.splits import SPLITS
+    from .scorers import registry
     from .train.data import DataConfig
     from .train.loop import TrainConfig
 
+    METHODS = registry.names()
     parser = argparse.ArgumentParser(prog="proxykv", description="ProxyKV KV-cache pruning for transformers")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -270,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
     _common(p)
     _pool_arg(p)
-    add_dataclass_args(p, BenchConfig, choices={"methods": BENCH_METHODS})
+    add_dataclass_args(p, BenchConfig, choices={"methods": METHODS})
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
     p.add_argument("--proxy-device", default=None, help="device of the proxy and mapper (e.g. cuda:1); default: "
                    "the target's")
@@ -280,6 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .scorers.registry import load_plugins
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    try:
+        load_plugins(pre.parse_known_args(argv)[0].plugin)  # before the parser lists the registered methods
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     return ns.fn(ns)

@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 
 from .cache import ProxyKVCache
 from .eval import tasks as task_lib
-from .eval.methods import MethodOptions, build_method
+from .eval.methods import build_method
 from .eval.metrics import score_sample
 from .pipeline import answer_from_cache, compress_context
+from .scorers.registry import ScorerContext
 
 
 @torch.no_grad()
@@ -46,13 +47,12 @@ def run_demo(ns) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mapper = mapper_for(ns, model, tmp)
-        options = MethodOptions(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel)
+        options = ScorerContext(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel)
         methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
         if len(methods) < len(ns.methods):
             print("no mapper checkpoint found: skipping proxykv (pass --mapper)")
         for method in tqdm(methods, desc="methods", unit="method"):
-            recorder = build_method(method, model, options)
-            scorer = None if recorder is None else recorder.inner
+            scorer = build_method(method, model, options)
             cache = ProxyKVCache(scorer, 1.0 if scorer is None else ns.keep_ratio)
             t0 = time.perf_counter()
             compress_context(model, cache, ctx)

@@ -179,8 +179,7 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
         lse: `(B, H, Q)` natural-log log-sum-exp of each query row's scaled causal logits, as flash attention
             returns it (:func:`flash_attention_with_lse`): pass 1 is skipped.
 
-    The defaults are the fastest of a sweep on an H100 at 32k tokens (docs/performance.md): 128 x 128 tiles took
-    18.3 ms (D = 64, 32 heads) and 20.7 ms (D = 128, 28 heads) against 20.7 and 24.0 ms for 64 x 64.
+    The default tiles are the fastest of the sweep in docs/performance.md.
 
     Returns:
         float32 sums `(B, H, T)`, or ``(sums, maxima)`` with ``with_max``.

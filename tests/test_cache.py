@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from proxykv_hf import ProxyKVCache, RandomScorer, SnapKVScorer, StreamingLLMScorer
+from proxykv_hf import BackgroundScorer, ProxyKVCache, RandomScorer, SnapKVScorer, StreamingLLMScorer
 from proxykv_hf.cache import ProxyKVLayer
 from proxykv_hf.testing import FAMILIES, random_prompt, tiny_model
 
@@ -304,13 +304,15 @@ def test_compacted_copy_equals_a_live_cache(family):
     """Recording scores once and compacting copies gives what a cache with that keep_ratio gives."""
     model = tiny_model(family)
     inputs = random_prompt(2, 40, lengths=[40, 29], seed=20)
-    rec = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=1.0, record_only=True)
+    from proxykv_hf.eval.methods import RecordingCache, compacted_copy
+
+    rec = RecordingCache(SnapKVScorer(window=4))
     with torch.no_grad():
         model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), past_key_values=rec)
     assert rec.physical_lengths()[rec.compactable_layers()[0]] == 40  # nothing dropped
     for rho in (0.2, 0.5):
         live = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=rho), n=4)
-        copy = rec.compacted_copy(rho)
+        copy = compacted_copy(rec, rho)
         for i in rec.compactable_layers():
             assert torch.equal(copy.layers[i].kept_positions, live.past_key_values.layers[i].kept_positions)
         ids = live.sequences[:, :41]
@@ -320,10 +322,8 @@ def test_compacted_copy_equals_a_live_cache(family):
         assert torch.equal(out, live.sequences)
 
 
-class _LateScorer(RandomScorer):
-    """Query-free scores that only become ready after ``ready_after`` polls (a side stream still running)."""
-
-    query_free = True
+class _LateScorer(RandomScorer, BackgroundScorer):
+    """Background scores that only become ready after ``ready_after`` polls (a side stream still running)."""
 
     def __init__(self, ready_after: int):
         super().__init__(seed=4)
@@ -335,7 +335,7 @@ class _LateScorer(RandomScorer):
 
 
 @pytest.mark.parametrize("ready_after", [0, 1, 100])
-def test_query_free_scores_wait_without_blocking(ready_after):
+def test_background_scores_wait_without_blocking(ready_after):
     """Layers prefilled before the scores are in are compacted later, with the same result as compacting at once."""
     model = tiny_model("llama", num_hidden_layers=4)
     inputs = random_prompt(2, 40, lengths=[40, 31], seed=5)
@@ -344,7 +344,7 @@ def test_query_free_scores_wait_without_blocking(ready_after):
     scorer = _LateScorer(ready_after)
     seen = []
     compact = ProxyKVLayer.compact
-    ProxyKVLayer.compact = lambda layer, idx: (seen.append(scorer.polls), compact(layer, idx))[1]
+    ProxyKVLayer.compact = lambda layer, idx, **kw: (seen.append(scorer.polls), compact(layer, idx, **kw))[1]
     try:
         cache = ProxyKVCache(scorer, keep_ratio=0.3)
         out = greedy(model, inputs, cache)

@@ -1,11 +1,11 @@
-"""The FLOP counts of proxykv_hf.bench.flops against torch's own FlopCounterMode and transformers' own masks."""
+"""The FLOP counts of proxykv_hf.flops against torch's own FlopCounterMode and transformers' own masks."""
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from proxykv_hf.bench.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops,
+from proxykv_hf.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops,
                                      kvzip_template_tokens, mapper_flops, prefill_flops, snapkv_flops)
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import decoder_of, layer_subset

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from proxykv_hf import ProxyKVCache
+from proxykv_hf import ProxyKVCache, ProxyScorer
+from proxykv_hf.eval.methods import RecordingCache
 from proxykv_hf.hub import Checkpoint, TargetSpec, save_checkpoint
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.proxy import ProxySpec
@@ -44,8 +45,9 @@ def test_side_stream_matches_cpu(tmp_path, monkeypatch, proxy_device, padded, ov
         target = tiny_model("llama", num_hidden_layers=4).to(device)
         proxy = tiny_model("llama", num_hidden_layers=2, seed=1).to(proxy_device or device)
         for record_only in (False, True):
-            cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, proxy=proxy, record_only=record_only,
+            scorer = ProxyScorer.from_pretrained(path, proxy=proxy,
                                                  proxy_device=proxy_device if device == "cuda" else None)
+            cache = RecordingCache(scorer) if record_only else ProxyKVCache(scorer, 0.3)
             cache.scorer.mapper_autocast, cache.scorer.overlap = autocast, overlap
             target.generate(**{k: v.to(device) for k, v in inputs.items()}, past_key_values=cache,
                             max_new_tokens=4, do_sample=False, pad_token_id=0)

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.mapper import (HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, sinusoidal_encoding,
-                               window_starts)
+from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, window_starts
+from proxykv_hf.mapper_blocks import sinusoidal_encoding
 
 LLAMA_1B_TO_8B = dict(num_proxy_layers=16, num_proxy_heads=32, num_target_layers=32, num_target_heads=8)
 
@@ -214,7 +214,7 @@ def test_input_transform_log1p_clamps_negative():
 
 
 def test_input_transform_per_statistic():
-    from proxykv_hf.mapper import LOG_FLOOR, transform_features
+    from proxykv_hf.mapper_blocks import LOG_FLOOR, transform_features
 
     x = torch.rand(2, 3, 2 * 4, 16)  # (B, L, S * H, N): sums then maxima of 4 heads
     got = transform_features(x, "log1p,log")

@@ -227,13 +227,12 @@ def test_statistics_fused_with_the_attention_change_nothing(tmp_path, target, ki
     """Off the GPU, the proxy's statistics of an unpadded prefill come with the attention output from one softmax
     (scoring.causal_attention_with_statistics): same kept sets and tokens as sdpa followed by the statistics.
     Padded batches keep that path."""
-    from proxykv_hf import cache as cache_module
     from proxykv_hf import proxy as proxy_module
-    from proxykv_hf import scoring
+    from proxykv_hf import schedule as schedule_module
 
     path, ckpt = make_checkpoint(tmp_path, kind)
     calls, features = [], []
-    for module in (cache_module, proxy_module):
+    for module in (schedule_module, proxy_module):
         real = module.causal_attention_with_statistics
         monkeypatch.setattr(module, "causal_attention_with_statistics",
                             lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
@@ -246,9 +245,8 @@ def test_statistics_fused_with_the_attention_change_nothing(tmp_path, target, ki
         inputs = random_prompt(2, 40, lengths=lengths, seed=4)
         runs = {}
         for fuse in (False, True):
-            monkeypatch.setattr(scoring, "FUSE_WITH_ATTENTION", fuse)
             calls.clear(), features.clear()
-            cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3)
+            cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, fuse_statistics=fuse)
             out = target.generate(**inputs, past_key_values=cache, **kw)
             runs[fuse] = out, [layer.kept_positions for layer in cache.layers], len(calls), list(features)
         assert runs[False][2] == 0 and runs[True][2] == fused_calls

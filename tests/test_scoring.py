@@ -239,25 +239,26 @@ def test_attention_with_statistics_bad_arguments():
 
 def test_where_statistics_come_with_the_attention(monkeypatch):
     """Off the fused kernels' path always (one softmax); on it where flash attention can hand over its log-sum-exp
-    and no earlier check has failed; never with the switch off."""
+    and no earlier check of the same FusedStatistics has failed; never when it is disabled."""
     from proxykv_hf import scoring
 
     q = torch.randn(1, 2, 4, 8)
     fuses, recomputations = scoring.fuses_with_attention, scoring.recomputations  # + how often Q K^T is redone
-    monkeypatch.setattr(scoring, "_flash_lse_ok", None)
+    fresh = scoring.FusedStatistics()
     monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
-    assert fuses(q) and recomputations(q) == 0
+    assert fuses(q, fresh) and recomputations(q, fresh) == 0
     monkeypatch.setattr(scoring.kernels, "available", lambda query: True)
-    assert fuses(q) and recomputations(q) == 1  # CPU tensors: PyTorch's CPU flash attention gives the log-sum-exp
+    assert fuses(q, fresh) and recomputations(q, fresh) == 1  # CPU tensors: CPU flash attention gives the lse
     monkeypatch.setattr(scoring.kernels, "flash_lse_supported", lambda query: False)
-    assert not fuses(q) and recomputations(q) == 2  # e.g. float32 on CUDA: sdpa, then both fused passes
+    assert not fuses(q, fresh) and recomputations(q, fresh) == 2  # e.g. float32 on CUDA: sdpa, both fused passes
     monkeypatch.setattr(scoring.kernels, "flash_lse_supported", lambda query: True)
-    monkeypatch.setattr(scoring, "_flash_lse_ok", False)
-    assert not fuses(q) and recomputations(q) == 2
+    failed = scoring.FusedStatistics(flash_lse=False)
+    assert not fuses(q, failed) and recomputations(q, failed) == 2
+    assert fuses(q) and fuses(q, fresh)  # one object's failed check is no one else's
     monkeypatch.setattr(scoring.kernels, "available", lambda query: False)
-    assert fuses(q) and recomputations(q) == 0
-    monkeypatch.setattr(scoring, "FUSE_WITH_ATTENTION", False)
-    assert not fuses(q) and recomputations(q) == 1  # sdpa, then the PyTorch statistics
+    assert fuses(q, failed) and recomputations(q, failed) == 0
+    off = scoring.FusedStatistics(enabled=False)
+    assert not fuses(q, off) and recomputations(q, off) == 1  # sdpa, then the PyTorch statistics
 
 
 def test_flash_attention_with_lse_on_cpu():
@@ -297,7 +298,7 @@ def _column_pass(query, key, scaling, query_valid=None, *, with_max=False, lse=N
 def test_flash_statistics_and_their_check(monkeypatch, caplog, fault):
     """Where the fused kernels run, the statistics take flash attention's log-sum-exp; the first call checks it
     (probabilities summing to one per row), and a log-sum-exp that fails the check, or a flash call that raises,
-    sends the process back to sdpa + both passes with a warning, never to wrong statistics."""
+    sends later calls with the same FusedStatistics back to sdpa + both passes with a warning, never to wrong statistics."""
     from proxykv_hf import kernels, scoring
 
     torch.manual_seed(1)
@@ -315,24 +316,24 @@ def test_flash_statistics_and_their_check(monkeypatch, caplog, fault):
         out, lse = real_flash(*args)
         return out, lse + (0.5 if fault == "wrong lse" else 0.0)
 
-    monkeypatch.setattr(scoring, "_flash_lse_ok", None)
+    fused = scoring.FusedStatistics()
     monkeypatch.setattr(kernels, "available", lambda query: True)
     monkeypatch.setattr(kernels, "flash_attention_with_lse", flash)
     monkeypatch.setattr(kernels, "causal_attention_sums", _column_pass)
     with caplog.at_level("WARNING", logger="proxykv_hf.scoring"):
         out, got = scoring.causal_attention_with_statistics(q, k, v, 0.4, query_valid=valid,
-                                                            statistics=("sum", "max"))
+                                                            statistics=("sum", "max"), fused=fused)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls == [1]
-    assert scoring._flash_lse_ok is (fault is None)
-    assert scoring.fuses_with_attention(q) is (fault is None)
+    assert fused.flash_lse is (fault is None)
+    assert scoring.fuses_with_attention(q, fused) is (fault is None)
     assert ("the attention statistics use sdpa" in caplog.text) is (fault is not None)
     if fault is None:
         _, again = scoring.causal_attention_with_statistics(q, k, v, 0.4, query_valid=valid, statistics=("max",),
-                                                            backend="triton")
+                                                            backend="triton", fused=fused)
         torch.testing.assert_close(again, want[:, 4:], rtol=1e-5, atol=1e-5)
     else:
         with pytest.raises(ValueError, match="triton backend needs"):
-            scoring.causal_attention_with_statistics(q, k, v, 0.4, backend="triton")
-        assert calls == [1]  # not tried again in this process
+            scoring.causal_attention_with_statistics(q, k, v, 0.4, backend="triton", fused=fused)
+        assert calls == [1]  # not tried again with this FusedStatistics

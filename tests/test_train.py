@@ -19,7 +19,7 @@ from proxykv_hf.testing import tiny_model, tiny_tokenizer
 from proxykv_hf.train import (DataConfig, Manifest, MapperDataset, TrainConfig, build_dataset, crop_starts,
                               mapper_config_for, merge_datasets, split_dataset, texts_from_files, texts_from_hf_dataset,
                               train_mapper)
-from proxykv_hf.train.data import check_shared_tokenizer
+from proxykv_hf.train.features import check_shared_tokenizer
 from proxykv_hf.train.evaluate import read_log
 
 WORDS = "alpha beta gamma delta key value cache token needle haystack the of and river stone".split()

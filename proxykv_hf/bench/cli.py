@@ -23,30 +23,18 @@ logger = logging.getLogger(__name__)
 def _scorers(ns, model, tok, tmp: str):
     """name -> scorer (None for the full cache), plus the model the ProxyKV scorer's features come from (for its
     breakdown; None without ProxyKV)."""
-    from ..cache import ProxyKVCache
-    from ..scorers import SnapKVScorer
+    from ..scorers import ProxyScorer, ScorerContext, registry
 
-    scorers, runner = {"full": None}, None
-    for method in ns.methods:
-        if method == "snapkv":
-            scorers[method] = SnapKVScorer()
-        elif method == "kvzip":
-            from ..scorers.kvzip import KVzipScorer
-
-            scorers[method] = KVzipScorer(tok)
-        elif method == "kvzip_iam":
-            from ..scorers.iam import KVzipIAMScorer
-
-            scorers[method] = KVzipIAMScorer(tok, proxy=getattr(ns, "_proxy_model", None))
-        elif method == "proxykv":
-            mapper = getattr(ns, "_mapper_dir", None) or mapper_for(ns, model, tmp)
-            if mapper is None:
-                raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
-            scorer = ProxyKVCache.from_pretrained(mapper, proxy=getattr(ns, "_proxy_model", None),
-                                                  proxy_device=ns.proxy_device or ns.device,
-                                                  pool_kernel=getattr(ns, "pool_kernel", None)).scorer
-            scorers[method] = scorer
-            runner = scorer.proxy_model if scorer.spec.kind == "model" else model
+    mapper = getattr(ns, "_mapper_dir", None) or (mapper_for(ns, model, tmp) if "proxykv" in ns.methods else None)
+    if "proxykv" in ns.methods and mapper is None:
+        raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
+    proxy = getattr(ns, "_proxy_model", None)
+    context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
+                            proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None))
+    scorers = {method: registry.build(method, context) for method in dict.fromkeys(["full", *ns.methods])}
+    runner = scorers.get("proxykv")
+    if isinstance(runner, ProxyScorer):
+        runner = runner.proxy_model if runner.spec.kind == "model" else model
     return scorers, runner
 
 

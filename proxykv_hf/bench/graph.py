@@ -1,7 +1,7 @@
 """Greedy decoding from a filled cache with fixed-size K/V buffers, replayable as one CUDA graph per token.
 
-Eager decoding in ``transformers`` spends ~25-45 ms of host time per token on an 8B model (Python, kernel launches),
-several times the GPU's own work for that token on an H100 (docs/performance.md). Timed eagerly, every cache size
+Eager decoding in ``transformers`` spends more host time per token on a large model (Python, kernel launches) than
+the GPU's own work for that token (docs/performance.md). Timed eagerly, every cache size
 decodes at the host's speed and a smaller cache cannot show what it saves. :class:`StaticDecoder` copies a cache's
 K/V into buffers with room for the new tokens and runs each step with device-side state only (the write slot, the
 position, the valid-slot mask, the next input id), so a whole step can be captured once and replayed: the GPU then

@@ -14,9 +14,9 @@ kept beside it.
 Rows also carry their matmul FLOPs by part (``flops.py``) and ``flops_vs_full``: the TTFT ratio one device could
 reach were every kernel as efficient as the target's prefill.
 
-On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's: with torch 2.11 + CUDA
-13 on an H100, cuDNN attention spent ~2 ms of host time per call on one-token queries (a new plan for every new
-key length), which made an 8B model's decode host-bound at ~110 ms/token (docs/performance.md).
+On CUDA, decode runs with PyTorch's flash / memory-efficient SDPA backends and not cuDNN's, whose per-call host
+time on one-token queries (a new plan for every new key length) makes a large model's decode host-bound
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -33,23 +33,19 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..cache import ProxyKVCache
-from ..scorers.kvzip import KVzipScorer
-from ..scoring import recomputations
+from ..flops import GATED_MLP_FAMILIES, prefill_flops
+from ..scorers import registry
 from ..selection import select_topk
-from .flops import (GATED_MLP_FAMILIES, attention_shape, kvzip_prefill_flops, kvzip_template_tokens, prefill_flops,
-                    snapkv_flops)
 
 logger = logging.getLogger(__name__)
-
-BENCH_METHODS = ("full", "snapkv", "kvzip", "kvzip_iam", "proxykv")
-
 
 @dataclass(kw_only=True)
 class BenchConfig:
     """A benchmark run.
 
     Attributes:
-        methods: the methods to time, from :data:`BENCH_METHODS` (full is always added: the ratios need it).
+        methods: the methods to time: names of the scorer registry (:mod:`proxykv_hf.scorers.registry`; full is
+            always added: the ratios need it).
         context_lengths: prompt lengths in tokens.
         keep_ratio: the budget of the compressing methods.
         repeats: timed runs per point (median reported).
@@ -74,9 +70,9 @@ class BenchConfig:
     fresh_memory: bool = False
 
     def __post_init__(self):
-        bad = [m for m in self.methods if m not in BENCH_METHODS]
+        bad = [m for m in self.methods if m not in registry.names()]
         if bad:
-            raise ValueError(f"unknown bench methods {bad}; choose from {', '.join(BENCH_METHODS)}")
+            raise ValueError(f"unknown bench methods {bad}; choose from {', '.join(registry.names())}")
         if "full" not in self.methods:
             self.methods = ["full", *self.methods]  # ratios need the full-cache baseline of the same run
         if self.repeats < 1:
@@ -226,42 +222,18 @@ class Bench:
         return out
 
     def _flops(self, method: str, n: int) -> dict | None:
-        """Matmul FLOPs of one ``n``-token prefill with ``method`` by part (:mod:`proxykv_hf.bench.flops`): the
-        target's prefill, and what the method adds (a proxy's forward, statistics, KVzip's repeat forwards and
-        scoring, the mapper), with ``"total"``; None where the counts do not cover the models. Statistics count the
-        recomputations of ``Q K^T`` that this device's path runs (:func:`scoring.recomputations`)."""
-        config = self.model.config
-        if config.model_type not in GATED_MLP_FAMILIES:
+        """Matmul FLOPs of one ``n``-token prefill with ``method`` by part (:mod:`proxykv_hf.flops`): the target's
+        prefill and what the method adds, with ``"total"``; None where the method or the model is not counted."""
+        if self.model.config.model_type not in GATED_MLP_FAMILIES:
             return None
-        target = prefill_flops(config, n)["target"]
         scorer = self.scorers.get(method)
         try:
-            if method == "full":
-                parts = {}
-            elif method == "snapkv":
-                parts = {"statistics": snapkv_flops(config, n, scorer.window)}
-            elif method in ("kvzip", "kvzip_iam"):
-                iam = method == "kvzip_iam"
-                scored = scorer._runner(self.model).config if iam else None
-                first, later = kvzip_template_tokens(KVzipScorer(scorer.tokenizer, chunk_size=scorer.chunk_size)
-                                                     if iam else scorer)
-                return kvzip_prefill_flops(config, n, first_extra=first, later_extra=later, scored_config=scored,
-                                           chunk_size=scorer.chunk_size, n_sink=scorer.n_sink)
-            else:
-                return self._proxykv_flops(scorer, n)
+            if scorer is None:
+                target = prefill_flops(self.model.config, n)["target"]
+                return {"target": target, "total": target}
+            return scorer.prefill_flops(self.model, n)
         except ValueError:  # e.g. sliding-window layers under KVzip, or a proxy of another family
             return None
-        return {"target": target, **parts, "total": target + sum(parts.values())}
-
-    def _proxykv_flops(self, scorer, n: int) -> dict | None:
-        runner = scorer.proxy_model if scorer.spec.kind == "model" else self.model
-        heads, _, head_dim = attention_shape(runner.config)
-        weight = next(runner.parameters())
-        passes = recomputations(torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device))
-        return prefill_flops(self.model.config, n, proxy_kind=scorer.spec.kind,
-                             proxy_config=runner.config if scorer.spec.kind == "model" else None,
-                             proxy_layers=scorer.spec.layers, mapper_config=scorer.mapper.config,
-                             statistics_passes=passes)
 
     @torch.no_grad()
     def _breakdown(self, ids: torch.Tensor, full: ProxyKVCache, plain_prefill_s: float) -> dict:

@@ -3,10 +3,11 @@
 Two protocols:
 
 * ``query-agnostic`` (default; KVzip's and kvpress's protocol): the context alone is prefilled and compressed, then
-  the question is asked on the compressed cache. Each method scores a sample's context once (a ``record_only``
-  cache); every keep ratio is a compacted copy of that one prefill, which is exactly what a cache with that
-  ratio would hold (``tests/test_cache.py::test_compacted_copy_equals_a_live_cache``).
-* ``generate``: the prompt holds context and question and goes through ``model.generate`` with the cache.
+  the question is asked on the compressed cache. Each method scores a sample's context once (a
+  :class:`~proxykv_hf.eval.methods.RecordingCache`); every keep ratio is a compacted copy of that one prefill,
+  which is exactly what a cache with that ratio would hold.
+* ``generate``: the prompt holds context and question and goes through ``model.generate`` with the cache (the
+  prompt is scored again for each keep ratio).
 
 Each (task, length, sample, method, keep ratio) becomes one JSON line in ``results.jsonl``; a run that finds the
 file resumes where it stopped. Oracle fidelity (top-K recall of the kept set and the share of KVzip's score mass
@@ -30,7 +31,9 @@ from ..pipeline import answer_from_cache
 from ..scorers.kvzip import N_SINK as KVZIP_N_SINK
 from ..selection import select_topk
 from . import tasks as task_lib
-from .methods import METHODS, MethodOptions, build_method
+from ..scorers import registry
+from ..scorers.registry import ScorerContext
+from .methods import RecordingCache, build_method, compacted_copy
 from .metrics import score_sample
 
 logger = logging.getLogger(__name__)
@@ -44,7 +47,8 @@ class EvalConfig:
     """One evaluation run.
 
     Attributes:
-        methods: the methods to run, from :data:`~proxykv_hf.eval.methods.METHODS`.
+        methods: the methods to run: ``"full"`` and names of the scorer registry
+            (:mod:`proxykv_hf.scorers.registry`).
         keep_ratios: budgets to sweep (the full cache is run once, at 1.0).
         tasks: task names (see ``proxykv_hf.eval.tasks.TASKS``).
         context_lengths: target context lengths in tokens.
@@ -77,9 +81,9 @@ class EvalConfig:
             chosen = get_split(self.split)
             check_split(chosen)
             self.tasks, self.seed = list(chosen.tasks), chosen.seed
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m not in registry.names()]
         if bad:
-            raise ValueError(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+            raise ValueError(f"unknown methods {bad}; choose from {', '.join(registry.names())}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         for r in self.keep_ratios:
@@ -142,9 +146,9 @@ def _load_scores(path: Path) -> dict[int, torch.Tensor]:
 class Harness:
     """Runs an :class:`EvalConfig` on a model and tokenizer; see :func:`run_eval`."""
 
-    def __init__(self, model, tokenizer, config: EvalConfig, options: MethodOptions | None = None):
+    def __init__(self, model, tokenizer, config: EvalConfig, options: ScorerContext | None = None):
         self.model, self.tok, self.config = model, tokenizer, config
-        self.options = options or MethodOptions()
+        self.options = options or ScorerContext()
         if self.options.tokenizer is None:
             self.options.tokenizer = tokenizer
         self.out = Path(config.out_dir)
@@ -184,7 +188,7 @@ class Harness:
 
     def _prefill(self, method: str, ctx: torch.Tensor) -> tuple[ProxyKVCache, float]:
         scorer = self.scorers[method]
-        cache = ProxyKVCache(scorer, keep_ratio=1.0, record_only=scorer is not None)
+        cache = RecordingCache(scorer.fresh() if scorer is not None else None)
         cache.prepare(self.model, ctx)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -234,10 +238,10 @@ class Harness:
                     _save_scores(oracle_path, scores)  # later runs (other methods) reuse it for fidelity
             for ratio in todo:
                 if cfg.protocol == "query-agnostic":
-                    cache = base if method == "full" else base.compacted_copy(ratio)
+                    cache = base if method == "full" else compacted_copy(base, ratio)
                     pred, t_answer = self._answer(cache, ctx, q)
                 else:
-                    cache = ProxyKVCache(scorer, keep_ratio=ratio)
+                    cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio)
                     pred, t_answer = self._generate(cache, ctx, q)
                     t_prefill = 0.0
                 rec = {"task": task, "context_length": length, "sample": idx, "method": method, "keep_ratio": ratio,
@@ -245,14 +249,12 @@ class Harness:
                        "n_tokens": int(ctx.shape[1]), "kv_bytes": cache.nbytes(), "seed": cfg.seed,
                        "protocol": cfg.protocol, "prefill_s": round(t_prefill, 4), "answer_s": round(t_answer, 4)}
                 if oracle is not None and cfg.protocol == "query-agnostic":
-                    n_sink = scorer.n_sink if scorer is not None else 0
-                    n_recent = scorer.n_recent if scorer is not None else 0
-                    rec.update(fidelity(scores if method != "full" else {}, oracle, valid, ratio, n_sink, n_recent,
-                                        self.oracle_sink))
+                    rec.update(fidelity(scores if method != "full" else {}, oracle, valid, ratio, base.n_sink,
+                                        base.n_recent, self.oracle_sink))
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
 
 
-def run_eval(model, tokenizer, config: EvalConfig, options: MethodOptions | None = None) -> Path:
+def run_eval(model, tokenizer, config: EvalConfig, options: ScorerContext | None = None) -> Path:
     """Run ``config`` and write ``results.jsonl``, ``results.md`` and ``accuracy.png`` to ``config.out_dir``."""
     return Harness(model, tokenizer, config, options).run()

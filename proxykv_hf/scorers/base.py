@@ -1,12 +1,21 @@
 """What every scorer receives and returns.
 
-A scorer turns one layer's prefill into importance scores `(B, H_kv, T)`, higher = keep (see
-:mod:`proxykv_hf.selection`). Two kinds exist:
+A scorer turns a prefill into importance scores `(B, H_kv, T)` per compacted layer, higher = keep (see
+:mod:`proxykv_hf.selection`). Three kinds, one base class each; the cache asks which one a scorer is and nothing
+else:
 
-* per-layer scorers (``needs_all_layers = False``) are called right after each full-attention layer's prefill
-  attention, with that layer's queries, keys and values; the cache compacts the layer at once.
-* global scorers (``needs_all_layers = True``, e.g. KVzip) are called once after the last layer's prefill and
-  return the scores of every compacted layer.
+* :class:`LayerScorer` (SnapKV, StreamingLLM, the attention statistics): :meth:`LayerScorer.score` runs right after
+  each full-attention layer's prefill attention, with that layer's queries, keys and values; the cache compacts
+  the layer at once. A layer scorer that reads statistics of the layer's own attention names them in
+  ``statistics``, and the cache may compute them in the attention's own pass.
+* :class:`BackgroundScorer` (ProxyKV's proxy): a layer scorer whose scores are computed beside the target's
+  prefill, started in :meth:`Scorer.prepare`. While :meth:`BackgroundScorer.ready` is False the cache lets layers
+  pass uncompacted and compacts them together once the scores are in (at the latest after the last layer).
+* :class:`ModelScorer` (KVzip): :meth:`ModelScorer.score_all` runs once, after the whole prefill, and returns the
+  scores of every compacted layer.
+
+A new method is one subclass of one of these in one file, and one :func:`~proxykv_hf.scorers.registry.register`
+call to give it a name in ``proxykv eval``, ``bench``, ``demo`` and ``generate`` (docs/design.md, "Adding a scorer").
 """
 
 from __future__ import annotations
@@ -48,8 +57,8 @@ class LayerInputs:
         scaling: softmax scale of the layer.
         prompt: the :class:`Prompt`.
         compact_index: position of this layer among the compacted (full-attention) layers.
-        statistics: for a scorer with ``own_statistics``, the layer's attention statistics `(B, S * H, T)` when the
-            cache computed them in the attention's own pass (:func:`~proxykv_hf.scoring.attention_sums` of
+        statistics: for a :class:`LayerScorer` with ``statistics``, those statistics of the layer's attention
+            `(B, S * H, T)` when the cache computed them in the attention's own pass (:func:`~proxykv_hf.scoring.attention_sums` of
             ``queries`` over ``keys``, no group reduction, padding queries weighted 0); None otherwise.
     """
 
@@ -61,7 +70,6 @@ class LayerInputs:
     scaling: float
     prompt: Prompt
     compact_index: int = 0
-    module: torch.nn.Module | None = field(default=None, repr=False)
     statistics: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -70,27 +78,17 @@ class LayerInputs:
 
 
 class Scorer:
-    """Base class. Subclasses set the class attributes they need and implement :meth:`score` or
-    :meth:`score_all`.
+    """What every scorer has. Subclass :class:`LayerScorer`, :class:`BackgroundScorer` or :class:`ModelScorer`.
 
     Attributes:
         n_sink: first real tokens this method always keeps (merged with the cache's own setting by max).
         n_recent: last real tokens this method always keeps.
-        needs_all_layers: call :meth:`score_all` once after the whole prefill instead of :meth:`score` per layer.
-        needs_input_ids: the prompt's token ids are required.
-        query_free: :meth:`score` does not read the layer's queries, keys or values (scores computed elsewhere,
-            e.g. by a proxy on a side stream): the cache may then call it later, once :meth:`ready` says so.
-        own_statistics: statistics of each layer's own prefill attention that :meth:`score` needs (names from
-            :data:`~proxykv_hf.scoring.STATISTICS`); the cache may compute them with the attention output in one
-            pass and hand them over as ``inputs.statistics`` (chunked by the scorer's ``chunk_size``).
+        needs_input_ids: the prompt's token ids are required (the cache refuses ``inputs_embeds`` otherwise).
     """
 
     n_sink: int = 0
     n_recent: int = 0
-    needs_all_layers: bool = False
     needs_input_ids: bool = False
-    query_free: bool = False
-    own_statistics: tuple[str, ...] = ()
 
     def fresh(self) -> "Scorer":
         """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""
@@ -99,14 +97,40 @@ class Scorer:
     def prepare(self, prompt: Prompt) -> None:
         """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""
 
+    def prefill_flops(self, model, n_tokens: int) -> dict[str, float] | None:
+        """Matmul FLOPs of one ``n_tokens`` prefill of ``model`` with this scorer's cache, by part (``"target"``,
+        what the method adds, ``"total"``) for ``proxykv bench``; None where the method does not count them."""
+        return None
+
+
+class LayerScorer(Scorer):
+    """Scores one layer at a time, right after its prefill attention.
+
+    Attributes:
+        statistics: names from :data:`~proxykv_hf.scoring.STATISTICS` of the layer's own attention that
+            :meth:`score` reads; the cache may compute them with the attention output in one pass and hand them
+            over as ``inputs.statistics``.
+    """
+
+    statistics: tuple[str, ...] = ()
+
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        """Scores `(B, H_kv, T)` of one layer."""
+        raise NotImplementedError(f"{type(self).__name__}.score")
+
+
+class BackgroundScorer(LayerScorer):
+    """A layer scorer whose scores are computed beside the prefill (started by :meth:`prepare`), so that the cache
+    need not wait for them: layers prefilled before :meth:`ready` are compacted together later."""
+
     def ready(self) -> bool:
         """Whether :meth:`score` can run now without waiting on side work (checked without blocking)."""
         return True
 
-    def score(self, inputs: LayerInputs) -> torch.Tensor:
-        """Scores `(B, H_kv, T)` of one layer."""
-        raise NotImplementedError(f"{type(self).__name__} does not score layer by layer")
+
+class ModelScorer(Scorer):
+    """Scores every compacted layer at once, after the whole prefill."""
 
     def score_all(self, prompt: Prompt, cache) -> dict[int, torch.Tensor]:
         """Scores `(B, H_kv, T)` for every compacted layer index of ``cache`` (``cache.compactable_layers()``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not score all layers at once")
+        raise NotImplementedError(f"{type(self).__name__}.score_all")

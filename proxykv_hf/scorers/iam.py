@@ -19,8 +19,8 @@ import math
 import torch
 
 from ..proxy import every_kth_layer, layer_subset
-from .base import LayerInputs, Prompt, Scorer
-from .kvzip import N_SINK, full_attention_layers, kvzip_scores
+from .base import LayerInputs, LayerScorer, Prompt
+from .kvzip import N_SINK, KVzipScorer, full_attention_layers, kvzip_scores
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)
 
 
-class KVzipIAMScorer(Scorer):
+class KVzipIAMScorer(LayerScorer):
     """KVzip on a proxy + a static layer/head alignment.
 
     Args:
@@ -62,6 +62,14 @@ class KVzipIAMScorer(Scorer):
             return self.proxy
         layers = self.layers or every_kth_layer(target.config.num_hidden_layers, 3)
         return layer_subset(target, layers)
+
+    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
+        from ..flops import kvzip_prefill_flops, kvzip_template_tokens
+
+        first, later = kvzip_template_tokens(KVzipScorer(self.tokenizer, chunk_size=self.chunk_size))
+        return kvzip_prefill_flops(model.config, n_tokens, first_extra=first, later_extra=later,
+                                   scored_config=self._runner(model).config, chunk_size=self.chunk_size,
+                                   n_sink=self.n_sink)
 
     def proxy_scores(self, target, input_ids, attention_mask=None) -> torch.Tensor:
         """KVzip scores `(L_s, B, H_s, T)` on the proxy's full-attention layers."""

@@ -45,7 +45,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import attention
-from .base import Prompt, Scorer
+from .base import ModelScorer, Prompt
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _check_int(name: str, value: object, low: int) -> int:
 N_SINK = 4  # first real tokens always kept, as kvpress's KVzipPress
 
 
-class KVzipScorer(Scorer):
+class KVzipScorer(ModelScorer):
     """Context-reconstruction scores of KVzip (arXiv:2505.23416), faithful to kvpress's ``KVzipPress``.
 
     Args:
@@ -86,7 +86,6 @@ class KVzipScorer(Scorer):
     context: about 1-2 prefills of extra compute.
     """
 
-    needs_all_layers = True
     needs_input_ids = True
 
     def __init__(self, tokenizer=None, *, chunk_size: int = 2048, prev_postfix_size: int = 8, n_sink: int = N_SINK,
@@ -177,6 +176,13 @@ class KVzipScorer(Scorer):
             raise ValueError("KVzipScorer needs the prompt's input_ids")
         return self.score_layers(prompt.model, prompt.input_ids, prompt.valid, cache.layers,
                                  cache.compactable_layers())
+
+    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
+        from ..flops import kvzip_prefill_flops, kvzip_template_tokens
+
+        first, later = kvzip_template_tokens(self, self._tokenizer_for(model))
+        return kvzip_prefill_flops(model.config, n_tokens, first_extra=first, later_extra=later,
+                                   chunk_size=self.chunk_size, n_sink=self.n_sink)
 
     def score_layers(self, model, input_ids: torch.Tensor, valid: torch.Tensor, context_layers: list,
                      layers: list[int]) -> dict[int, torch.Tensor]:

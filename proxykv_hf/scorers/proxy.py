@@ -9,14 +9,14 @@ import threading
 import torch
 
 from ..proxy import decoder_of, proxy_features
-from ..scoring import CHUNK_SIZE, attention_sums
+from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
 from ..selection import check_kernel_size, smooth_scores
-from .base import LayerInputs, Prompt, Scorer
+from .base import BackgroundScorer, LayerInputs, Prompt
 
 logger = logging.getLogger(__name__)
 
 
-class ProxyScorer(Scorer):
+class ProxyScorer(BackgroundScorer):
     """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`).
 
     On the target's first prefill, :meth:`prepare` runs the proxy and the mapper; on CUDA they run on a side stream
@@ -29,25 +29,26 @@ class ProxyScorer(Scorer):
 
     Args:
         checkpoint: a loaded :class:`~proxykv_hf.hub.Checkpoint`.
-        proxy_model: the proxy model for kind ``"model"`` checkpoints (loaded by ``ProxyKVCache.from_pretrained``).
+        proxy_model: the proxy model for kind ``"model"`` checkpoints (:meth:`from_pretrained` loads it).
         proxy_device: where the proxy and mapper run; default: the target's device.
         chunk_size: queries per chunk in the attention accumulation (PyTorch path).
         n_sink: first tokens always kept (the KVzip teacher protects its sinks the same way).
         mapper_autocast: run the mapper under bfloat16 autocast on CUDA.
         overlap: let the target finish its whole prefill while the proxy still runs, and compact all layers at the
-            end (the target's full K/V is then held until the end of the prefill). None (default): only when the
-            proxy runs on another device than the target. On one H100, where the target's prefill keeps the GPU
-            busy, overlapping saved no time and raised the peak prefill memory of an 8B/1B pair at 32k from 0.64x to
-            1.19x the full cache's (docs/performance.md); with ``False`` the first compacted layer's stream waits on
-            the proxy's event and every layer is compacted as soon as its attention has run.
+            end (the target's full K/V is then held until the end of the prefill, a higher peak memory). None
+            (default): only when the proxy runs on another device than the target. With ``False`` the first
+            compacted layer's stream waits on the proxy's event and every layer is compacted as soon as its
+            attention has run.
         pool_kernel: before the Top-K, lift each score to the mean of the ``pool_kernel`` tokens around it where that
             is higher (odd; 1 = off; :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``); None: the
             checkpoint's ``pool_kernel``.
+        fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
+            :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
     """
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
                  n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
-                 pool_kernel: int | None = None):
+                 pool_kernel: int | None = None, fused: FusedStatistics | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -57,8 +58,8 @@ class ProxyScorer(Scorer):
         self.chunk_size = chunk_size
         self.n_sink = n_sink
         self.needs_input_ids = self.spec.kind != "self"
-        self.query_free = self.spec.kind != "self"
-        self.own_statistics = tuple(self.spec.statistics) if self.spec.kind == "self" else ()
+        self.statistics = tuple(self.spec.statistics) if self.spec.kind == "self" else ()
+        self.fused = fused or FusedStatistics()
         self.mapper_autocast = mapper_autocast
         self.overlap = overlap
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
@@ -68,6 +69,35 @@ class ProxyScorer(Scorer):
         self._event = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, proxy=None, proxy_device=None, revision: str | None = None,
+                        cache_dir=None, token=None, local_files_only: bool | None = None, **kwargs) -> "ProxyScorer":
+        """The scorer of a trained mapper checkpoint (a local directory or a Hub repository id).
+
+        Args:
+            name_or_path: checkpoint directory or Hub id (``huggingface_hub``; ``HF_HUB_OFFLINE`` honoured).
+            proxy: an already loaded proxy model for checkpoints whose proxy is a separate model (else it is loaded
+                from the id the checkpoint names).
+            proxy_device: device for the proxy and the mapper (e.g. ``"cuda:1"``); default: the target's.
+            revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
+            **kwargs: the constructor's options (``chunk_size``, ``pool_kernel``, ``overlap``, ...).
+        """
+        from ..hub import load_checkpoint
+
+        ckpt = load_checkpoint(name_or_path, map_location=proxy_device or "cpu", revision=revision,
+                               cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+        if ckpt.proxy.kind == "model" and proxy is None:
+            from ..models import load_model
+
+            proxy = load_model(ckpt.proxy.model_id, device=proxy_device or "cpu")
+        if proxy is not None and ckpt.proxy.kind == "model":
+            got = getattr(proxy.config, "num_attention_heads", None)
+            layers = proxy.config.num_hidden_layers
+            if (layers, got) != (ckpt.proxy.num_layers, ckpt.proxy.num_heads):
+                raise ValueError(f"proxy has {layers} layers and {got} heads, the mapper expects "
+                                 f"{ckpt.proxy.num_layers} layers and {ckpt.proxy.num_heads} heads")
+        return cls(ckpt, proxy_model=proxy, proxy_device=proxy_device, **kwargs)
 
     @property
     def mapper(self):
@@ -151,7 +181,19 @@ class ProxyScorer(Scorer):
     def features(self, runner, ids, mask) -> torch.Tensor:
         """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics."""
         return proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
-                              statistics=self.spec.statistics)
+                              statistics=self.spec.statistics, fused=self.fused)
+
+    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
+        from ..flops import attention_shape, prefill_flops
+
+        runner = self.proxy_model if self.spec.kind == "model" else model
+        heads, _, head_dim = attention_shape(runner.config)
+        weight = next(runner.parameters())
+        query = torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device)
+        return prefill_flops(model.config, n_tokens, proxy_kind=self.spec.kind,
+                             proxy_config=runner.config if self.spec.kind == "model" else None,
+                             proxy_layers=self.spec.layers, mapper_config=self.mapper.config,
+                             statistics_passes=recomputations(query, self.fused))
 
     @torch.no_grad()
     def _run(self, runner, ids, mask) -> torch.Tensor:

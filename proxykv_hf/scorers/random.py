@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerInputs, Scorer
+from .base import LayerInputs, LayerScorer
 
 
-class RandomScorer(Scorer):
+class RandomScorer(LayerScorer):
     """Independent uniform scores per (row, KV head, token), reproducible from ``seed`` and the layer index.
+
+    A row's scores depend only on its number of real tokens, not on the padding around it (a padded row scores as
+    it would alone).
 
     Args:
         seed: base seed; layer ``l`` uses ``seed + l``.
@@ -19,5 +22,8 @@ class RandomScorer(Scorer):
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         B, H_kv, T, _ = inputs.keys.shape
-        gen = torch.Generator().manual_seed(self.seed + inputs.layer_idx)
-        return torch.rand(B, H_kv, T, generator=gen).to(inputs.keys.device)
+        scores = torch.zeros(B, H_kv, T)
+        for b, n in enumerate(inputs.valid.sum(-1).tolist()):
+            gen = torch.Generator().manual_seed(self.seed + inputs.layer_idx)
+            scores[b, :, T - n:] = torch.rand(H_kv, n, generator=gen)  # left padding: the real tokens come last
+        return scores.to(inputs.keys.device)

@@ -6,10 +6,10 @@ import torch
 
 from ..scoring import attention_sums
 from ..selection import check_kernel_size, smooth_scores
-from .base import LayerInputs, Scorer
+from .base import LayerInputs, LayerScorer
 
 
-class SnapKVScorer(Scorer):
+class SnapKVScorer(LayerScorer):
     """Attention of the last ``window`` prompt queries, summed over them, average-pooled along the keys and averaged
     over the query heads of each KV head. The observation window itself is always kept.
 
@@ -37,3 +37,10 @@ class SnapKVScorer(Scorer):
         B, H, _ = pooled.shape
         H_kv = inputs.keys.shape[1]
         return pooled.view(B, H_kv, H // H_kv, T).mean(dim=2)  # (B, H_kv, T)
+
+    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
+        from ..flops import prefill_flops, snapkv_flops
+
+        target = prefill_flops(model.config, n_tokens)["target"]
+        extra = snapkv_flops(model.config, n_tokens, self.window)
+        return {"target": target, "statistics": extra, "total": target + extra}

@@ -14,12 +14,12 @@ import torch
 
 from ..scoring import CHUNK_SIZE, attention_sums, check_statistics
 from ..selection import check_kernel_size, smooth_scores
-from .base import LayerInputs, Scorer
+from .base import LayerInputs, LayerScorer
 
 GROUP_REDUCTIONS = ("max", "mean")
 
 
-class AttentionStatisticScorer(Scorer):
+class AttentionStatisticScorer(LayerScorer):
     """One statistic of each layer's own prefill attention as the layer's scores.
 
     The statistic is taken per query head, then reduced over the query heads of each KV head (``group_reduce``;
@@ -44,7 +44,7 @@ class AttentionStatisticScorer(Scorer):
         self.group_reduce = group_reduce
         self.pool_kernel = check_kernel_size(pool_kernel, "pool_kernel")
         self.n_sink, self.chunk_size = n_sink, chunk_size
-        self.own_statistics = (self.statistic,)
+        self.statistics = (self.statistic,)
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
@@ -53,7 +53,7 @@ class AttentionStatisticScorer(Scorer):
         if x is None:
             x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
                                query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
-                               chunk_size=self.chunk_size, statistics=self.own_statistics)
+                               chunk_size=self.chunk_size, statistics=self.statistics)
         B, H, T = x.shape
         H_kv = inputs.keys.shape[1]
         grouped = x.float().view(B, H_kv, H // H_kv, T)  # (B, H_kv, G, T)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import LayerInputs, Scorer
+from .base import LayerInputs, LayerScorer
 
 
-class StreamingLLMScorer(Scorer):
+class StreamingLLMScorer(LayerScorer):
     """Keeps the first ``n_sink`` tokens and, for the rest of the budget, the most recent ones.
 
     Args:
@@ -21,5 +21,5 @@ class StreamingLLMScorer(Scorer):
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         B, H_kv, T, _ = inputs.keys.shape
-        pos = torch.arange(T, device=inputs.keys.device, dtype=torch.float32)
-        return pos.expand(B, H_kv, T).clone()  # later = higher
+        pos = inputs.valid.to(inputs.keys.device).float().cumsum(-1)  # (B, T) position among the real tokens
+        return pos[:, None, :].expand(B, H_kv, T).clone()  # later = higher

@@ -1,11 +1,14 @@
-"""Training tooling on top of the core: text sources (:mod:`.sources`), data building (:mod:`.data`), reading it
-back (:mod:`.dataset`), the hybrid loss (:mod:`.losses`), retention metrics (:mod:`.metrics`) and the training loop
-(:mod:`.loop`)."""
+"""Training tooling on top of the core: text sources (:mod:`.sources`), data building (:mod:`.data`, with
+:mod:`.manifest`, :mod:`.features` and :mod:`.shards`), reading it back (:mod:`.dataset`), the hybrid loss
+(:mod:`.losses`), retention metrics (:mod:`.metrics`) and the training loop (:mod:`.loop`, with
+:mod:`.mapper_init`, :mod:`.optim`, :mod:`.resume` and :mod:`.evaluate`)."""
 
-from .data import DataConfig, Manifest, build_dataset, crop_starts, merge_datasets
+from .data import build_dataset
 from .dataset import MapperDataset, split_dataset
 from .evaluate import evaluate_mapper, plot_training
 from .loop import TrainConfig, mapper_config_for, train_mapper
+from .manifest import DataConfig, Manifest
+from .shards import crop_starts, merge_datasets
 from .sources import texts_from_files, texts_from_hf_dataset, texts_from_tasks
 
 __all__ = [

@@ -14,7 +14,7 @@ from torch import Tensor
 from safetensors import safe_open
 from torch.utils.data import Dataset, Subset
 
-from .data import Manifest
+from .manifest import Manifest
 
 
 class MapperDataset(Dataset):
@@ -23,7 +23,7 @@ class MapperDataset(Dataset):
 
     ``statistics`` reads a subset of the stored proxy statistics (default: all ``S`` of them, statistic-major
     along the head axis); :attr:`manifest` then describes that subset
-    (:meth:`~proxykv_hf.train.data.Manifest.with_statistics`).
+    (:meth:`~proxykv_hf.train.manifest.Manifest.with_statistics`).
     """
 
     def __init__(self, data_dir: str | os.PathLike, statistics: Sequence[str] | None = None):

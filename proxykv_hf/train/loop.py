@@ -30,24 +30,26 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
 from .._fields import check_known_fields
-from ..hub import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from ..hub import CONFIG_NAME, Checkpoint, load_checkpoint, save_checkpoint
 from ..mapper import HybridAxialMapper, MapperConfig
 from ..scoring import check_statistics
-from .data import Manifest
 from .dataset import MapperDataset, split_dataset
 from .evaluate import evaluate_mapper, plot_training, read_log
 from .losses import LossConfig, hybrid_loss
+from .mapper_init import check_mapper_fits, init_mapper_from, mapper_config_for
+from .optim import EpochSampler, WarmupPlateau, param_groups
+from .resume import LAST_DIR, TrainState, find_last, load_last, save_last
+
+__all__ = ["TrainConfig", "mapper_config_for", "train_mapper"]  # what the CLI and the how-to above import
 
 logger = logging.getLogger(__name__)
 
-LAST_DIR = "last"
 LOG_NAME = "log.jsonl"
 PLOT_NAME = "training.png"
 MIXED_PRECISION = ("bf16", "fp16", "no")
@@ -165,228 +167,7 @@ class TrainConfig:
         return cls(**data)
 
 
-# ------------------------------------------------------------------------------------------------ pieces
-ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters start as a no-op: value off
-# the input transform a dataset's statistic gets by default (docs/training.md: the maxima through log1p went unused)
-STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log", "lookback": "log"}
-# mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
-WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2))}
 
-
-def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: str = "init_from") -> None:
-    """Copy the weights of ``start`` into ``mapper`` (``TrainConfig.init_from``).
-
-    The configs must be equal, except that ``mapper`` may switch on fields of :data:`ADDITIVE_FIELDS` that
-    ``start`` has off (the parameters those add keep their no-op initialisation), and may read more feature
-    statistics (:data:`WIDENING_INPUTS`: e.g. the sum and the max where ``start`` read the sum; the weights on the
-    new feature rows start at zero), each through its own transform (``input_transform="log1p,log"`` after
-    ``"log1p"``). Either way ``mapper`` starts out computing exactly what ``start`` computes.
-    """
-    new, old = mapper.config.to_dict(), start.config.to_dict()
-    diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
-    grown = {k for k in diff if k in WIDENING_INPUTS and diff[k][1] > diff[k][0]}
-    if grown and "input_transform" in diff:
-        before, after = old["input_transform"].split(","), diff["input_transform"][1].split(",")
-        if after[:len(before)] == before:
-            grown.add("input_transform")  # the widened mapper reads its new statistics through their own transform
-    if any(k not in grown and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
-        raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
-    state = start.state_dict()
-    own = mapper.state_dict()
-    for param, dim in (pd for k in grown for pd in WIDENING_INPUTS.get(k, ())):
-        if param in state:  # the old statistics are the leading feature rows (statistic-major)
-            wide = torch.zeros_like(own[param])
-            wide.narrow(dim, 0, state[param].shape[dim]).copy_(state[param])
-            state[param] = wide
-    missing, unexpected = mapper.load_state_dict(state, strict=False)
-    if unexpected:
-        raise ValueError(f"{name}: unexpected parameters {unexpected}")
-    logger.info("initialised the mapper from %s%s%s", name, f" (new, at their init: {missing})" if missing else "",
-                f" (widened: {sorted(grown)})" if grown else "")
-
-
-def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
-    """AdamW parameter groups: the direct path (if any) at ``lr * direct_path_lr_mult``, the rest at ``lr``."""
-    direct = [p for n, p in mapper.named_parameters() if n.startswith("direct.")]
-    rest = [p for n, p in mapper.named_parameters() if not n.startswith("direct.")]
-    groups = [{"params": rest}]
-    if direct:
-        groups.append({"params": direct, "lr": cfg.lr * cfg.direct_path_lr_mult})
-    return groups
-
-
-def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", *,
-                      statistics: Sequence[str] | None = None, **overrides) -> MapperConfig:
-    """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers,
-    heads and statistics (each read through :data:`STATISTIC_TRANSFORMS`; ``statistics``: a subset of the
-    dataset's, as ``TrainConfig.statistics``), target layers and KV heads, and the dataset's crop length and
-    stride as the inference windows."""
-    manifest = data if isinstance(data, Manifest) else Manifest.load(data)
-    if statistics is not None:
-        manifest = manifest.with_statistics(statistics)
-    if preset not in ("paper", "small", "tiny"):
-        raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
-    transforms = [STATISTIC_TRANSFORMS[s] for s in manifest.proxy_spec().statistics]
-    shape = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                 num_statistics=len(transforms),
-                 input_transform=transforms[0] if len(set(transforms)) == 1 else ",".join(transforms),
-                 num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"],
-                 crop_len=manifest.data_config["crop_len"], stride=manifest.data_config["stride"])
-    return getattr(MapperConfig, preset)(**{**shape, **overrides})
-
-
-def check_mapper_fits(config: MapperConfig, manifest: Manifest) -> None:
-    """Raise ``ValueError`` unless the mapper's shape fields match the dataset's proxy and target."""
-    want = dict(num_proxy_layers=manifest.proxy["num_layers"], num_proxy_heads=manifest.proxy["num_heads"],
-                num_statistics=len(manifest.proxy_spec().statistics),
-                num_target_layers=manifest.target["num_layers"], num_target_heads=manifest.target["num_kv_heads"])
-    got = {k: getattr(config, k) for k in want}
-    if got != want:
-        raise ValueError(f"mapper config shape {got} does not match the dataset {want}; "
-                         "build it with mapper_config_for(data_dir, preset)")
-    if manifest.data_config["crop_len"] > config.crop_len:
-        logger.warning("training crops (%d tokens) are longer than the mapper's encoder window (%d): the encoder "
-                       "trains on windows it will see the same way at inference", manifest.data_config["crop_len"],
-                       config.crop_len)
-
-
-class EpochSampler(Sampler[int]):
-    """A seeded random permutation of ``range(n)`` per epoch (reproducible across resumes).
-
-    The epoch is set by the loop through :meth:`use_epoch`; there is deliberately no ``set_epoch``, which
-    ``accelerate``'s loaders call with their own iteration counter (reset by ``skip_first_batches``).
-    """
-
-    def __init__(self, n: int, seed: int = 0):
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def use_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=gen).tolist())
-
-    def __len__(self) -> int:
-        return self.n
-
-
-class WarmupPlateau:
-    """Linear warmup per step, then ``ReduceLROnPlateau`` per epoch (only once warmup is over)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, factor: float, patience: int):
-        self.optimizer, self.warmup_steps = optimizer, warmup_steps
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self.plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=factor,
-                                                                  patience=patience)
-        self.steps = 0
-        self._apply()
-
-    def _apply(self) -> None:
-        if self.steps < self.warmup_steps:  # the (steps+1)-th update uses lr * (steps+1) / warmup
-            for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-                g["lr"] = base * (self.steps + 1) / self.warmup_steps
-
-    def step(self) -> None:
-        """After each optimizer step."""
-        self.steps += 1
-        self._apply()
-
-    def epoch_end(self, metric: float) -> None:
-        """After each full epoch, with the validation loss."""
-        if self.steps >= self.warmup_steps and math.isfinite(metric):
-            self.plateau.step(metric)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "base_lrs": self.base_lrs, "plateau": self.plateau.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.steps, self.base_lrs = state["steps"], list(state["base_lrs"])
-        self.plateau.load_state_dict(state["plateau"])
-
-
-# ------------------------------------------------------------------------------------------------ state
-@dataclass
-class _State:
-    epoch: int = 0  # current epoch (0-based)
-    epoch_step: int = 0  # batches done in the current epoch
-    step: int = 0  # optimizer steps in total
-    best: float = math.inf
-    best_epoch: int = -1
-    best_step: int = -1
-    wall_s: float = 0.0
-
-
-_ORDER_FIELDS = ("batch_size", "seed", "val_fraction", "split_by_text")  # what the data order depends on
-
-
-def _save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: _State, gen: torch.Generator,
-               config: MapperConfig, train_config: TrainConfig) -> None:
-    """Write ``out/last`` as a whole: a temporary directory, then two renames."""
-    tmp, last, old = out / (LAST_DIR + ".tmp"), out / LAST_DIR, out / (LAST_DIR + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in mapper.state_dict().items()},
-              str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "loss_pairs": gen.get_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "state": dataclasses.asdict(state), "rng": rng, "mapper_config": config.to_dict(),
-                "order": {k: getattr(train_config, k) for k in _ORDER_FIELDS},
-                "statistics": train_config.statistics},
-               tmp / "state.pt")
-    if last.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(last, old)
-    os.replace(tmp, last)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _find_last(out: Path) -> Path | None:
-    for name in (LAST_DIR, LAST_DIR + ".old"):  # .old: interrupted between the two renames
-        if (out / name / "state.pt").is_file() and (out / name / WEIGHTS_NAME).is_file():
-            return out / name
-    return None
-
-
-def _load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: torch.Generator,
-               config: MapperConfig, train_config: TrainConfig) -> _State:
-    saved = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    changed = {k: (v, getattr(train_config, k)) for k, v in saved.get("order", {}).items()
-               if getattr(train_config, k) != v}
-    if changed:
-        logger.warning("resuming %s with other %s (saved, new): the data order differs from the saved run's",
-                       path, changed)
-    if saved.get("statistics") != train_config.statistics:  # same count, other rows: the mapper config would pass
-        raise ValueError(f"{path} holds a run on the statistics {saved.get('statistics') or 'all'}, not "
-                         f"{train_config.statistics or 'all'}; use another out_dir or resume=False")
-    if saved["mapper_config"] != config.to_dict():
-        diff = {k: (saved["mapper_config"].get(k), v) for k, v in config.to_dict().items()
-                if saved["mapper_config"].get(k) != v}
-        raise ValueError(f"{path} holds a run with another mapper config (field: (saved, new)) {diff}; "
-                         "use another out_dir or resume=False")
-    mapper.load_state_dict(load_file(str(path / WEIGHTS_NAME), device=str(next(mapper.parameters()).device)))
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    rng = saved["rng"]
-    torch.set_rng_state(rng["torch"])
-    random.setstate(_as_tuple(rng["python"]))
-    gen.set_state(rng["loss_pairs"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return _State(**saved["state"])
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ------------------------------------------------------------------------------------------------ the loop
 def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper_config: MapperConfig,
                  train_config: TrainConfig | None = None, *, resume: bool = True) -> Checkpoint:
     """Train a :class:`HybridAxialMapper` on ``data_dir`` and save the best one to ``out_dir``.
@@ -431,7 +212,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     mapper = HybridAxialMapper(mapper_config)
-    last = _find_last(out) if resume else None
+    last = find_last(out) if resume else None
     if cfg.init_from is not None and last is None:  # a resumed run's own state wins
         init_mapper_from(mapper, load_checkpoint(cfg.init_from).mapper, cfg.init_from)
     optimizer = torch.optim.AdamW(param_groups(mapper, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -443,9 +224,9 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     gen = torch.Generator(device=accelerator.device).manual_seed(cfg.seed + accelerator.process_index)
     unwrapped = accelerator.unwrap_model(model)
 
-    state = _State()
+    state = TrainState()
     if last is not None:
-        state = _load_last(last, unwrapped, optimizer, scheduler, gen, mapper_config, cfg)
+        state = load_last(last, unwrapped, optimizer, scheduler, gen, mapper_config, cfg)
         logger.info("resuming %s at step %d (epoch %d, batch %d)", out, state.step, state.epoch, state.epoch_step)
         if main:  # drop log records of steps the saved state does not include
             kept = [r for r in read_log(out / LOG_NAME) if r["step"] <= state.step]
@@ -542,7 +323,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
                                            target=manifest.target_spec(), training=training,
                                            metrics={k: v for k, v in metrics.items() if k != "crops"}), out)
                 has_best = True
-            _save_last(out, unwrapped, optimizer, scheduler, state, gen, mapper_config, cfg)
+            save_last(out, unwrapped, optimizer, scheduler, state, gen, mapper_config, cfg)
             if time.perf_counter() - last_plot > PLOT_INTERVAL_S:  # long runs: a fresh figure now and then
                 plot_training(out / LOG_NAME, out / PLOT_NAME)
                 last_plot = time.perf_counter()
@@ -567,5 +348,5 @@ def _fresh_accelerator_state() -> None:
     GradientState._reset_state()
 
 
-def _epochs(state: _State, steps_per_epoch: int) -> float:
+def _epochs(state: TrainState, steps_per_epoch: int) -> float:
     return round(state.epoch + state.epoch_step / max(steps_per_epoch, 1), 3)

@@ -23,7 +23,7 @@ models (with attention counted dense, as that counter does).
 
 from __future__ import annotations
 
-from ..mapper import MapperConfig, window_starts
+from .mapper import MapperConfig, window_starts
 
 GATED_MLP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
 

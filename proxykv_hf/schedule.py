@@ -1,0 +1,135 @@
+"""When each layer of a ProxyKV cache is scored during the first prefill.
+
+The cache's ``update`` leaves a pending call for the attention wrapper (:mod:`proxykv_hf.attention`); the wrapper
+hands the layer's queries back here right after the layer's prefill attention. What happens then depends on the
+scorer's kind (:mod:`proxykv_hf.scorers.base`):
+
+* a :class:`LayerScorer` scores the layer at once, and the cache compacts it at once (its statistics, if it reads
+  any, computed in the attention's own pass where that pays);
+* a :class:`BackgroundScorer` that is not :meth:`~BackgroundScorer.ready` lets the layer wait uncompacted; the
+  waiting layers are scored from their stored K/V once it is, at the latest after the last compacted layer;
+* a :class:`ModelScorer` waits for the whole prefill, then scores every layer at once.
+
+Compaction itself is the cache's (:meth:`ProxyKVCache.select <proxykv_hf.cache.ProxyKVCache.select>`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .scorers.base import BackgroundScorer, LayerInputs, ModelScorer
+from .scoring import CHUNK_SIZE, causal_attention_with_statistics, fuses_with_attention
+
+
+class Schedule:
+    """The scoring schedule of one cache's first prefill (``cache.prompt`` known, the cache compressing)."""
+
+    def __init__(self, cache):
+        self.cache, self.scorer = cache, cache.scorer
+        self.waiting: list[int] = []  # prefilled layers not compacted yet
+
+    def pending(self, layer_idx: int) -> "_Pending":
+        """The hand-off for the prefill attention of ``layer_idx``."""
+        return _Pending(self, layer_idx)
+
+    def attend(self, layer_idx: int, query, key, value, scaling) -> torch.Tensor | None:
+        """A plain causal prefill of a layer whose scorer reads statistics of its attention: the output and the
+        statistics in one pass, then the layer is scored; None (the model's attention runs) where that does not
+        pay."""
+        wanted = getattr(self.scorer, "statistics", ())
+        if not wanted or not fuses_with_attention(query, self.cache.fused):
+            return None
+        Q = query.shape[2]
+        out, statistics = causal_attention_with_statistics(
+            query, key, value, scaling, query_valid=self.cache.prompt.valid[:, -Q:].to(query.device),
+            chunk_size=getattr(self.scorer, "chunk_size", CHUNK_SIZE), statistics=wanted, fused=self.cache.fused)
+        self.prefilled(layer_idx, query, key, value, None, scaling, statistics=statistics)
+        return out
+
+    def prefilled(self, layer_idx: int, query, key, value, attention_mask, scaling, *, statistics=None) -> None:
+        """Layer ``layer_idx`` has run its prefill attention: score and compact it now, or later."""
+        self.waiting.append(layer_idx)
+        if isinstance(self.scorer, ModelScorer):
+            self.after_layer(layer_idx)
+            return
+        last = layer_idx == self.cache.compactable_layers()[-1]
+        if isinstance(self.scorer, BackgroundScorer) and not self.scorer.ready() and not last:
+            return  # the scores are still being computed beside the prefill: compact this layer later
+        waited, self.waiting = self.waiting[:-1], []
+        for i in waited:  # layers prefilled before the scores were in: their K/V come from the cache
+            self._compact(i, self.scorer.score(self._inputs(i, scaling)))
+        inputs = self._inputs(layer_idx, scaling, query, key, value, attention_mask, statistics)
+        self._compact(layer_idx, self.scorer.score(inputs))
+
+    def after_layer(self, layer_idx: int) -> None:
+        """A model scorer scores once every compacted layer is prefilled and ``layer_idx`` is the model's last
+        layer (Gemma3 can end with sliding layers, whose K/V the scorer needs too)."""
+        cache = self.cache
+        if not isinstance(self.scorer, ModelScorer) or layer_idx != len(cache.layers) - 1 or \
+                len(self.waiting) != len(cache.compactable_layers()):
+            return
+        scores = self.scorer.score_all(cache.prompt, cache)
+        if not isinstance(scores, dict):
+            raise ValueError(f"{type(self.scorer).__name__}.score_all returned {type(scores).__name__}, expected a "
+                             "dict {layer index: (B, H_kv, T) scores}")
+        waited, self.waiting = self.waiting, []
+        for i in waited:
+            self._compact(i, scores.get(i))
+
+    def _inputs(self, layer_idx, scaling, query=None, key=None, value=None, attention_mask=None,
+                statistics=None) -> LayerInputs:
+        """The scorer's view of one layer; keys and values default to what the layer holds (a layer that waited)."""
+        cache = self.cache
+        layer, T = cache.layers[layer_idx], cache.prompt.length
+        key = layer.keys if key is None else key
+        value = layer.values if value is None else value
+        return LayerInputs(layer_idx=layer_idx, keys=key[:, :, :T], values=value[:, :, :T], queries=query,
+                           attention_mask=attention_mask, scaling=scaling, prompt=cache.prompt,
+                           compact_index=cache.compactable_layers().index(layer_idx), statistics=statistics)
+
+    def _compact(self, layer_idx: int, scores) -> None:
+        layer, T = self.cache.layers[layer_idx], self.cache.prompt.length
+        want = (*layer.keys.shape[:2], T)
+        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != want:
+            got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+            raise ValueError(f"{type(self.scorer).__name__} returned scores of shape {got} for layer {layer_idx}, "
+                             f"expected {want} (batch, KV heads, prompt tokens)")
+        self.cache.select(layer_idx, scores)
+
+
+class _Pending:
+    """Hand-off from ``update`` to the prefill attention of the same layer (see :mod:`proxykv_hf.attention`)."""
+
+    __slots__ = ("schedule", "layer_idx")
+
+    def __init__(self, schedule: Schedule, layer_idx: int):
+        self.schedule, self.layer_idx = schedule, layer_idx
+
+    def before(self, module, attention_mask, query, key):
+        if getattr(module, "layer_idx", self.layer_idx) != self.layer_idx:
+            raise RuntimeError(f"ProxyKV hand-off for layer {self.layer_idx} reached layer {module.layer_idx}")
+        return attention_mask  # a layer not compacted yet has nothing to hide
+
+    def attend(self, module, query, key, value, scaling):
+        return self.schedule.attend(self.layer_idx, query, key, value, scaling)
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        self.schedule.prefilled(self.layer_idx, query, key, value, attention_mask, scaling)
+
+
+class SpareSlots:
+    """Hand-off for a later forward over a compacted layer whose shorter rows have spare slots: hides them."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def before(self, module, attention_mask, query, key):
+        return self.layer.mask_spare_slots(attention_mask, query.shape[2], key.shape[2])
+
+    def attend(self, module, query, key, value, scaling):
+        return None
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        pass

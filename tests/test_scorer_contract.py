@@ -1,0 +1,108 @@
+"""The contract every registered scorer keeps, checked on each one: the shape of its scores, higher = keep, a padded
+row scored as it would be alone, keep_ratio 1 identical to a DynamicCache, and a clear error for a wrong shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from proxykv_hf import LayerScorer, ModelScorer, ProxyKVCache
+from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
+from proxykv_hf.eval.methods import RecordingCache
+from proxykv_hf.scorers import ScorerContext, registry
+from proxykv_hf.selection import select_topk
+from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+
+BUILT_IN = [name for name in registry.names() if name != "full"]
+GEN = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = tiny_model("llama", num_hidden_layers=4)
+    mapper = tiny_mapper_checkpoint(model, str(tmp_path_factory.mktemp("mapper")))
+    return model, ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=mapper, kvzip_chunk=16)
+
+
+def _recorded(model, scorer, inputs) -> dict[int, torch.Tensor]:
+    cache = RecordingCache(scorer.fresh())
+    cache.prepare(model, inputs["input_ids"], inputs["attention_mask"])
+    with torch.no_grad():
+        model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), past_key_values=cache)
+    return cache.scores
+
+
+def test_every_built_in_method_is_registered():
+    assert set(BUILT_IN) >= {"kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam", "attn_sum",
+                             "attn_max", "attn_novelty"}
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_scores_shape_and_higher_means_keep(setup, name):
+    model, ctx = setup
+    scorer = registry.build(name, ctx)
+    assert isinstance(scorer, (LayerScorer, ModelScorer))
+    inputs = random_prompt(2, 120, lengths=[120, 100], seed=3)  # longer than SnapKV's window of 64
+    scores = _recorded(model, scorer, inputs)
+    cache = ProxyKVCache(scorer.fresh(), keep_ratio=0.3)
+    model.generate(**inputs, past_key_values=cache, **GEN)
+    assert sorted(scores) == cache.compactable_layers()
+    for i, s in scores.items():
+        assert s.shape == (2, model.config.num_key_value_heads, 120)
+        want, _ = select_topk(s, 0.3, inputs["attention_mask"].bool(), cache.n_sink, cache.n_recent)
+        assert torch.equal(cache.layers[i].kept_positions.cpu(), want)  # the cache keeps the highest scores
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_padded_rows_score_as_alone(setup, name):
+    model, ctx = setup
+    scorer = registry.build(name, ctx)
+    batch = random_prompt(2, 40, lengths=[40, 29], seed=5)
+    alone = {k: v[1:, -29:] for k, v in batch.items()}
+    together, single = _recorded(model, scorer, batch), _recorded(model, scorer, alone)
+    for i in together:
+        a, b = together[i][1, :, -29:], single[i][0]
+        scale = b.abs().max().clamp_min(1e-6)
+        torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_keep_ratio_one_is_a_dynamic_cache(setup, name):
+    model, ctx = setup
+    inputs = random_prompt(2, 30, lengths=[30, 22], seed=7)
+    ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **GEN)
+    out = model.generate(**inputs, past_key_values=ProxyKVCache(registry.build(name, ctx), keep_ratio=1.0), **GEN)
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_wrong_score_shape_is_a_clear_error(setup, name, monkeypatch):
+    model, ctx = setup
+    scorer = registry.build(name, ctx)
+    if isinstance(scorer, ModelScorer):
+        real = scorer.score_all
+        monkeypatch.setattr(scorer, "score_all", lambda *a: {i: s[..., 1:] for i, s in real(*a).items()})
+    else:
+        real = scorer.score
+        monkeypatch.setattr(scorer, "score", lambda inputs: real(inputs)[..., 1:])
+    inputs = random_prompt(1, 100, seed=9)
+    with pytest.raises(ValueError, match=r"returned scores of shape \(1, 2, 99\) .* expected \(1, 2, 100\)"):
+        model.generate(**inputs, past_key_values=ProxyKVCache(scorer, keep_ratio=0.3), **GEN)
+
+
+def test_registry_refuses_bad_names_and_builders():
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register("snapkv", lambda ctx: None)
+    with pytest.raises(ValueError, match="identifier other than 'full'"):
+        registry.register("full", lambda ctx: None)
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        registry.build("nope", ScorerContext())
+    registry.register("not_a_scorer", lambda ctx: object())
+    try:
+        with pytest.raises(ValueError, match="returned object, not a Scorer"):
+            registry.build("not_a_scorer", ScorerContext())
+    finally:
+        registry.unregister("not_a_scorer")
+    with pytest.raises(ValueError, match="must subclass LayerScorer or ModelScorer"):
+        ProxyKVCache(object(), keep_ratio=0.5)
