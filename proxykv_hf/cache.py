@@ -18,10 +18,10 @@ from transformers.cache_utils import DynamicLayer
 from . import attention
 from .layer import ProxyKVLayer
 from .prompt import SUPPORTED_FAMILIES, check_continuation, check_prompt, find_prompt, make_prompt
-from .schedule import Schedule, SpareSlots
+from .schedule import RaggedAttention, Schedule, SpareSlots
 from .scorers.base import LayerScorer, ModelScorer, Prompt, Scorer
 from .scoring import FusedStatistics
-from .selection import check_keep_ratio, keep_counts, select_topk
+from .selection import BUDGETS, check_keep_ratio, keep_counts, select_global, select_topk
 
 __all__ = ["ProxyKVCache", "ProxyKVLayer", "SUPPORTED_FAMILIES"]
 
@@ -38,6 +38,10 @@ class ProxyKVCache(DynamicCache):
             taken from the model at the first prefill.
         fuse_statistics: let a scorer's attention statistics come out of the layer's own attention pass where
             that pays (:class:`~proxykv_hf.scoring.FusedStatistics`); False runs the model's attention, then them.
+        budget: ``"uniform"`` (every KV head of every layer keeps ``K``) or ``"global"`` (each row keeps the
+            best ``L * H_kv * K`` entries of all compacted layers and heads together, at least
+            ``ceil(0.2 * K)`` per head, stored without padding; :func:`~proxykv_hf.selection.select_global`). The
+            global budget scores every layer before compacting any, so the prefill holds the full K/V of all layers.
 
     Example::
 
@@ -49,15 +53,19 @@ class ProxyKVCache(DynamicCache):
     """
 
     def __init__(self, scorer: Scorer | None = None, keep_ratio: float = 1.0, *, n_sink: int = 0, n_recent: int = 0,
-                 config=None, fuse_statistics: bool = True):
+                 config=None, fuse_statistics: bool = True, budget: str = "uniform"):
         self.keep_ratio = check_keep_ratio(keep_ratio)
+        if budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
+        self.budget = budget
         for name, value in (("n_sink", n_sink), ("n_recent", n_recent)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if scorer is not None and not isinstance(scorer, (LayerScorer, ModelScorer)):
             raise ValueError(f"scorer must subclass LayerScorer or ModelScorer, got {type(scorer).__name__}")
         self.scorer = scorer
-        self._settings = dict(n_sink=n_sink, n_recent=n_recent, config=config, fuse_statistics=fuse_statistics)
+        self._settings = dict(n_sink=n_sink, n_recent=n_recent, config=config, fuse_statistics=fuse_statistics,
+                              budget=budget)
         self.n_sink = max(n_sink, getattr(scorer, "n_sink", 0))
         self.n_recent = max(n_recent, getattr(scorer, "n_recent", 0))
         self.fused = FusedStatistics(enabled=fuse_statistics)
@@ -68,13 +76,14 @@ class ProxyKVCache(DynamicCache):
     @classmethod
     def from_pretrained(cls, name_or_path: str, keep_ratio: float = 0.3, *, proxy=None, proxy_device=None,
                         n_sink: int = 0, n_recent: int = 0, config=None, fuse_statistics: bool = True,
-                        **kwargs) -> "ProxyKVCache":
+                        budget: str = "uniform", **kwargs) -> "ProxyKVCache":
         """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
 
         ``name_or_path``, ``proxy``, ``proxy_device`` and ``**kwargs`` (``revision``, ``cache_dir``, ``token``,
         ``local_files_only``, ``chunk_size``, ``pool_kernel``, ...) go to
         :meth:`ProxyScorer.from_pretrained <proxykv_hf.scorers.proxy.ProxyScorer.from_pretrained>`; ``keep_ratio``,
-        ``n_sink``, ``n_recent``, ``config`` and ``fuse_statistics`` (the proxy's too) to the constructor. Use the cache for one ``generate`` call, and
+        ``n_sink``, ``n_recent``, ``config``, ``budget`` and ``fuse_statistics`` (the proxy's too) to the
+        constructor. Use the cache for one ``generate`` call, and
         :meth:`fresh` for the next.
         """
         from .scorers.proxy import ProxyScorer
@@ -82,7 +91,7 @@ class ProxyKVCache(DynamicCache):
         scorer = ProxyScorer.from_pretrained(name_or_path, proxy=proxy, proxy_device=proxy_device,
                                              fused=FusedStatistics(enabled=fuse_statistics), **kwargs)
         return cls(scorer, keep_ratio, n_sink=n_sink, n_recent=n_recent, config=config,
-                   fuse_statistics=fuse_statistics)
+                   fuse_statistics=fuse_statistics, budget=budget)
 
     def fresh(self) -> "ProxyKVCache":
         """An empty cache with the same settings, sharing the scorer's heavy parts (mapper, proxy model)."""
@@ -106,6 +115,7 @@ class ProxyKVCache(DynamicCache):
         self.prompt: Prompt | None = None
         self._budgets: torch.Tensor | None = None  # (B,) entries each row keeps per KV head, on the CPU
         self._schedule: Schedule | None = None  # while the first prefill is being compressed
+        self._scored: dict[int, torch.Tensor] = {}  # global budget: each layer's scores until all are in
 
     def reset(self) -> None:
         """Empty the cache, forget the prompt; the next prefill is compressed again."""
@@ -176,6 +186,8 @@ class ProxyKVCache(DynamicCache):
                     layer.compact(None)  # nothing to drop (keep_ratio 1.0, or every row short enough)
                 else:
                     attention.set_pending(schedule.pending(layer_idx))
+            elif layer.ragged:
+                attention.set_pending(RaggedAttention(layer))
             elif layer.slot_valid is not None:
                 attention.set_pending(SpareSlots(layer))
         elif schedule is not None and schedule.waiting:
@@ -185,10 +197,27 @@ class ProxyKVCache(DynamicCache):
     # ----------------------------------------------------------------------------------------------- selection
     def select(self, layer_idx: int, scores: torch.Tensor) -> None:
         """Compact layer ``layer_idx`` to its top entries under ``scores`` `(B, H_kv, T)` (the one place where the
-        cache turns scores into kept entries; a subclass may record the scores here instead)."""
+        cache turns scores into kept entries; a subclass may record the scores here instead). Under the global
+        budget the layers are compacted together once every one has its scores."""
+        if self.budget == "global":
+            self._scored[layer_idx] = scores
+            if len(self._scored) == len(self.compactable_layers()):
+                scored, self._scored = self._scored, {}
+                for i, keep in global_keep(self.scorer, scored, self.prompt.valid, self.keep_ratio, self.n_sink,
+                                           self.n_recent).items():
+                    self.layers[i].compact_ragged(keep)
+            return
         indices, slot_valid = select_topk(scores, self.keep_ratio, self.prompt.valid.to(scores.device), self.n_sink,
                                           self.n_recent, k_row=self._budgets)
         self.layers[layer_idx].compact(indices, budgets=self._budgets, slot_valid=slot_valid)
+
+    def kept_sets(self) -> dict[int, list[list[torch.Tensor]]]:
+        """``{layer: [b][h] -> sorted prompt positions kept}`` for every compacted layer, under either budget."""
+        return {i: self.layers[i].kept_sets() for i in self.compactable_layers() if self.layers[i].compacted}
+
+    def held_entries(self) -> int:
+        """K/V entries stored by the compacted layers, summed over layers, rows and heads (spare slots included)."""
+        return sum(self.layers[i].held_entries() for i in self.compactable_layers())
 
     # ----------------------------------------------------------------------------------------------- reuse, size
     def snapshot(self) -> list[dict]:
@@ -215,3 +244,13 @@ class ProxyKVCache(DynamicCache):
         tensors = [t for layer in self.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
+
+def global_keep(scorer: Scorer, scores: dict[int, torch.Tensor], valid: torch.Tensor, keep_ratio: float, n_sink: int,
+                n_recent: int) -> dict[int, torch.Tensor]:
+    """``{layer: (B, H_kv, T) keep mask}`` of the global budget, from each layer's scores made comparable by the
+    scorer (:meth:`~proxykv_hf.scorers.base.Scorer.global_scores`)."""
+    layers = sorted(scores)
+    device = scores[layers[0]].device
+    comparable = scorer.global_scores({i: scores[i] for i in layers}, valid.to(device))
+    keep = select_global([comparable[i] for i in layers], keep_ratio, valid.to(device), n_sink, n_recent)
+    return dict(zip(layers, keep))

@@ -80,7 +80,7 @@ def cmd_eval(ns) -> int:
     cfg = from_args(EvalConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
         options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model, tmp), seed=ns.seed,
-                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel)
+                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel, global_norm=ns.global_norm)
         out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     _pool_arg(p)
     add_dataclass_args(p, EvalConfig, choices={"methods": METHODS, "split": ("dev", "test")})
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")
+    p.add_argument("--global-norm", default="none", choices=["none", "layer"],
+                   help="ProxyKV under the global budget: its scores as they are, or standardised per layer")
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)

@@ -5,9 +5,17 @@ length (entries stored). ``get_mask_sizes`` returns ``(physical + q, logical - p
 addresses the compacted slots. After :meth:`ProxyKVLayer.compact` the layer holds, per KV head, the kept prompt
 entries in position order, then every later token. In a padded batch each row keeps its own budget; a shorter row's
 spare slots are hidden from attention by :meth:`ProxyKVLayer.mask_spare_slots`.
+
+Under a global budget (:meth:`ProxyKVLayer.compact_ragged`) each (row, KV head) keeps its own number of entries.
+The layer then stores them **packed**: ``keys`` and ``values`` are `(1, 1, N, D)`, the kept entries of every row
+and head one after the other, with ``owner`` (``b * H_kv + h``) and ``position`` (logical index) per entry; later
+tokens are appended the same way. Nothing is padded, so the memory held is exactly the entries kept.
+:meth:`ProxyKVLayer.ragged_attention` computes each query head's attention over its own KV head's entries.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -36,8 +44,14 @@ class ProxyKVLayer(DynamicLayer):
         self.slot_valid: torch.Tensor | None = None
         self.compacted = False
         self.compacted_at = 0
+        self.ragged = False
+        self.owner: torch.Tensor | None = None  # ragged: (N,) b * H_kv + h of each stored entry
+        self.position: torch.Tensor | None = None  # ragged: (N,) logical index of each stored entry
+        self.n_kv_heads = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.ragged:
+            return self._append_ragged(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -59,6 +73,65 @@ class ProxyKVLayer(DynamicLayer):
         self.compacted = True
         self.compacted_at = self.cumulative_length
 
+    def compact_ragged(self, keep: torch.Tensor) -> None:
+        """Keep, per row and KV head, the prompt entries where ``keep`` `(B, H_kv, T)` is True (any number per head),
+        packed (see the module docstring), and free the others."""
+        B, H, T = keep.shape
+        b, h, t = keep.nonzero(as_tuple=True)  # row-major: row, then head, then position
+        device = self.keys.device
+        b, h, t = b.to(device), h.to(device), t.to(device)
+        self.keys = self.keys[b, h, t][None, None]  # (1, 1, N, D)
+        self.values = self.values[b, h, t][None, None]
+        self.owner, self.position, self.n_kv_heads = b * H + h, t, H
+        self.ragged, self.compacted, self.compacted_at = True, True, self.cumulative_length
+        self.kept_positions = self.slot_valid = None
+        self.budgets = keep.sum(-1).cpu()  # (B, H_kv) entries kept per head
+
+    def _append_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        B, H, q, D = key_states.shape  # new tokens: every row and head gets them
+        device = self.keys.device
+        owner = (torch.arange(B * H, device=device)[:, None]).expand(B * H, q).reshape(-1)
+        position = (self.cumulative_length + torch.arange(q, device=device)).repeat(B * H)
+        self.keys = torch.cat([self.keys, key_states.reshape(1, 1, B * H * q, D)], dim=-2)
+        self.values = torch.cat([self.values, value_states.reshape(1, 1, B * H * q, D)], dim=-2)
+        self.owner, self.position = torch.cat([self.owner, owner]), torch.cat([self.position, position])
+        self.cumulative_length += q
+        return self.keys, self.values
+
+    def ragged_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of ``query`` `(B, H, Q, D)` (the last ``Q`` positions) over each head's own packed entries,
+        causal by position: `(B, H, Q, D)`."""
+        B, Hq, Q, D = query.shape
+        H = self.n_kv_heads
+        G = Hq // H
+        device = query.device
+        heads = torch.arange(B * H, device=device).view(B, H, 1, 1)
+        q_pos = self.cumulative_length - Q + torch.arange(Q, device=device)  # (Q,)
+        mine = (self.owner.view(1, 1, 1, -1) == heads) & (self.position.view(1, 1, 1, -1) <= q_pos.view(1, 1, Q, 1))
+        mine = mine[:, :, None].expand(B, H, G, Q, mine.shape[-1]).reshape(B, H, G * Q, -1)  # (B, H_kv, G*Q, N)
+        logits = torch.matmul(query.reshape(B, H, G * Q, D), self.keys[0, 0].transpose(0, 1)).float() * scaling
+        probs = logits.masked_fill(~mine, -math.inf).softmax(-1).to(self.values.dtype)  # (B, H_kv, G*Q, N)
+        return torch.matmul(probs, self.values[0, 0]).view(B, Hq, Q, D)
+
+    def kept_sets(self) -> list[list[torch.Tensor]]:
+        """The prompt positions each row keeps per KV head: ``[b][h]`` sorted 1-D tensors."""
+        if self.ragged:
+            prompt = self.position < self.compacted_at
+            return [[self.position[prompt & (self.owner == b * self.n_kv_heads + h)]
+                     for h in range(self.n_kv_heads)] for b in range(self.budgets.shape[0])]
+        if self.kept_positions is None:
+            B, H = self.keys.shape[:2]
+            return [[torch.arange(self.compacted_at, device=self.keys.device) for _ in range(H)] for _ in range(B)]
+        B, H, K = self.kept_positions.shape
+        return [[self.kept_positions[b, h, K - int(self.budgets[b]):] if self.budgets is not None else
+                 self.kept_positions[b, h] for h in range(H)] for b in range(B)]
+
+    def held_entries(self) -> int:
+        """K/V entries stored, summed over rows and heads."""
+        if not self.is_initialized or self.keys is None:
+            return 0
+        return self.keys.shape[-2] if self.ragged else self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[2]
+
     @property
     def physical_length(self) -> int:
         return 0 if not self.is_initialized or self.keys.numel() == 0 else self.keys.shape[-2]
@@ -67,6 +140,8 @@ class ProxyKVLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.ragged:  # ragged_attention builds its own mask; the shared one need only cover the new tokens
+            return query_length, self.cumulative_length
         physical = self.physical_length
         return physical + query_length, self.cumulative_length - physical
 
@@ -102,7 +177,12 @@ class ProxyKVLayer(DynamicLayer):
         if self.compacted and self.cumulative_length - n < self.compacted_at:
             raise ValueError(f"cannot crop {n} tokens: only the {self.cumulative_length - self.compacted_at} "
                              "tokens added after the compressed prompt can be removed")
-        super().crop(-n)
+        if self.ragged:
+            keep = self.position < self.cumulative_length - n
+            self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
+            self.owner, self.position = self.owner[keep], self.position[keep]
+        else:
+            super().crop(-n)
         self.cumulative_length -= n
 
     def reset(self) -> None:
@@ -115,14 +195,33 @@ class ProxyKVLayer(DynamicLayer):
             if value is not None:
                 setattr(self, name, fn(value))
 
+    def _ragged_rows(self, rows: torch.Tensor) -> None:
+        """Ragged layout: new row ``r`` holds old row ``rows[r]``'s entries."""
+        H, old = self.n_kv_heads, self.owner // self.n_kv_heads
+        picks = [torch.nonzero(old == int(src)).flatten() for src in rows.tolist()]
+        index = torch.cat(picks)
+        new_row = torch.cat([torch.full_like(p, r) for r, p in enumerate(picks)])
+        self.keys, self.values = self.keys[:, :, index], self.values[:, :, index]
+        self.owner, self.position = new_row * H + self.owner[index] % H, self.position[index]
+        self.budgets = self.budgets[rows.cpu()]
+
+    def _batch_op(self, rows: torch.Tensor, dense) -> None:
+        if self.ragged:
+            self._ragged_rows(rows)
+            return
+        dense()
+        self._select_batch(lambda t: t[rows.to(t.device)])
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._select_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._batch_op(beam_idx, lambda: DynamicLayer.reorder_cache(self, beam_idx))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._select_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        rows = torch.arange(self._batch_size()).repeat_interleave(repeats)
+        self._batch_op(rows, lambda: DynamicLayer.batch_repeat_interleave(self, repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._select_batch(lambda t: t[indices.to(t.device)])
+        rows = torch.arange(self._batch_size())[indices.cpu()]
+        self._batch_op(rows, lambda: DynamicLayer.batch_select_indices(self, indices))
+
+    def _batch_size(self) -> int:
+        return self.budgets.shape[0] if self.ragged else self.keys.shape[0]

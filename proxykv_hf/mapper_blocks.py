@@ -86,8 +86,8 @@ class ConvStem(nn.Module):
 class TimeEncoder(nn.Module):
     """Stage 2 on one window. ``(B, W, d_time)`` -> ``(B, W, d_time)``; positions count real tokens only."""
 
-    # device types whose eval-mode encoder runs through :meth:`encode_sdpa`; elsewhere (GPUs) the module's own
-    # forward (``examples/bench_mapper_cpu.py`` and ``bench_mapper_gpu.py`` time both)
+    # device types whose eval-mode encoder runs through :meth:`encode_sdpa` (faster there, same output); elsewhere
+    # (GPUs) the module's own forward
     SDPA_DEVICES: tuple[str, ...] = ("cpu",)
 
     def __init__(self, config: MapperConfig) -> None:

@@ -133,3 +133,23 @@ class SpareSlots:
 
     def after(self, module, query, key, value, attention_mask, scaling):
         pass
+
+
+class RaggedAttention:
+    """Hand-off for every forward over a layer compacted under the global budget: the attention of each query head
+    over its own KV head's packed entries (:meth:`~proxykv_hf.layer.ProxyKVLayer.ragged_attention`), in place of
+    the model's."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def before(self, module, attention_mask, query, key):
+        return attention_mask
+
+    def replace(self, module, query, key, value, scaling):
+        return self.layer.ragged_attention(query, scaling)
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        pass

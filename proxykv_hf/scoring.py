@@ -5,7 +5,7 @@
 This is the proxy feature of the ProxyKV paper (one row per layer and query head) and the raw material of
 several scorers. Beside the sum, the same pass can return the *maximum* probability a key receives from any query
 other than its own position (statistic ``"max"``): a needle that one later query looks at hard but few others do
-stands out there more than in the sum (``examples/needle_features.py``; KVzip's oracle is a maximum too).
+stands out there more than in the sum (KVzip's oracle is a maximum too).
 Statistic ``"lookback"`` is read on the query side: the largest probability the token at each position, as a query,
 gives to any key at least :data:`LOOKBACK_GAP` positions back (the row's first :data:`LOOKBACK_SINKS` real tokens,
 the attention sinks, left out). Text the model has seen before (a repeated sentence, a recurring name) is read by

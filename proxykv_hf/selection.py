@@ -150,3 +150,64 @@ def select_topk(
     slot_valid = rank[None, :] >= n_spare  # (B, K_max)
     indices = pos.clamp_min(0)  # spare slots point at position 0 (finite data, masked)
     return indices, slot_valid
+
+
+BUDGETS = ("uniform", "global")
+HEAD_FLOOR = 0.2
+"""Under the global budget, every KV head keeps at least this share of the uniform per-head budget."""
+
+
+def select_global(
+    scores: list[torch.Tensor],
+    keep_ratio: float,
+    valid: torch.Tensor | None = None,
+    n_sink: int = 0,
+    n_recent: int = 0,
+    *,
+    head_floor: float = HEAD_FLOOR,
+) -> list[torch.Tensor]:
+    """One Top-K per row over the entries of every layer and KV head together (a global, non-uniform budget).
+
+    Row ``b`` keeps ``L * H_kv * K_b`` entries in all, ``K_b`` being the uniform per-head budget of
+    :func:`keep_counts`: the protected tokens of every head, then in every head its best entries up to
+    ``ceil(head_floor * K_b)`` (so that no head is emptied), then the best of all remaining entries of all layers
+    and heads. Scores must be comparable across layers and heads. Ties go to the earlier layer, head and position.
+
+    Args:
+        scores: one `(B, H_kv, T)` tensor per compacted layer, higher = keep. NaN is treated as lowest.
+        keep_ratio, valid, n_sink, n_recent: as for :func:`select_topk`.
+        head_floor: each head's minimum, as a share of ``K_b``, in [0, 1].
+
+    Returns:
+        one `(B, H_kv, T)` bool keep mask per layer; padding is never kept.
+    """
+    keep_ratio = check_keep_ratio(keep_ratio)
+    if not 0.0 <= head_floor <= 1.0:
+        raise ValueError(f"head_floor must be in [0, 1], got {head_floor!r}")
+    x = torch.stack([s.float() for s in scores], dim=1)  # (B, L, H_kv, T)
+    B, L, H, T = x.shape
+    valid = torch.ones(B, T, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    valid = valid.to(x.device)
+    n_real = valid.sum(-1)
+    if bool((n_real == 0).any()):
+        raise ValueError(f"batch rows {torch.nonzero(n_real == 0).flatten().tolist()} contain only padding")
+    k_row = keep_counts(n_real, keep_ratio, n_sink + n_recent).cpu()  # (B,) per-head uniform budgets
+    protected = protected_mask(valid, n_sink, n_recent)  # (B, T)
+    n_protected = protected.sum(-1).cpu()
+    finite = torch.finfo(torch.float32)
+    x = torch.nan_to_num(x, nan=finite.min, neginf=finite.min, posinf=finite.max)
+    keep = protected[:, None, None, :].expand(B, L, H, T).clone()  # (B, L, H, T)
+    for b in range(B):
+        free = valid[b] & ~protected[b]  # (T,)
+        s = x[b].masked_fill(~free, -math.inf)  # (L, H, T)
+        floor = min(math.ceil(head_floor * int(k_row[b]) - 1e-9), int(k_row[b])) - int(n_protected[b])
+        if floor > 0:  # never more than the free tokens: k_row <= n_real
+            best = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :floor]  # (L, H, floor)
+            keep[b].scatter_(-1, best, True)
+        left = int(k_row[b]) * L * H - int(keep[b].sum())
+        if left > 0:
+            rest = s.masked_fill(keep[b], -math.inf).flatten()  # (L * H * T), layer-major
+            best = torch.sort(rest, descending=True, stable=True).indices[:left]
+            keep[b].view(-1)[best] = True
+    keep &= valid[:, None, None, :]
+    return list(keep.unbind(1))

@@ -11,7 +11,7 @@ from proxykv_hf import LayerScorer, ModelScorer, ProxyKVCache
 from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
 from proxykv_hf.eval.methods import RecordingCache
 from proxykv_hf.scorers import ScorerContext, registry
-from proxykv_hf.selection import select_topk
+from proxykv_hf.selection import keep_counts, select_topk
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
 BUILT_IN = [name for name in registry.names() if name != "full"]
@@ -72,8 +72,21 @@ def test_keep_ratio_one_is_a_dynamic_cache(setup, name):
     model, ctx = setup
     inputs = random_prompt(2, 30, lengths=[30, 22], seed=7)
     ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **GEN)
-    out = model.generate(**inputs, past_key_values=ProxyKVCache(registry.build(name, ctx), keep_ratio=1.0), **GEN)
-    assert torch.equal(ref, out)
+    for budget in ("uniform", "global"):
+        cache = ProxyKVCache(registry.build(name, ctx), keep_ratio=1.0, budget=budget)
+        assert torch.equal(ref, model.generate(**inputs, past_key_values=cache, **GEN))
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_global_budget_keeps_the_nominal_total(setup, name):
+    """Under the global budget every scorer's cache holds each row's nominal total, spread over layers and heads."""
+    model, ctx = setup
+    inputs = random_prompt(2, 100, lengths=[100, 80], seed=8)
+    cache = ProxyKVCache(registry.build(name, ctx), keep_ratio=0.3, budget="global")
+    model.generate(**inputs, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    k = keep_counts(inputs["attention_mask"].sum(-1), 0.3, cache.n_sink + cache.n_recent)
+    L, H = len(cache.compactable_layers()), model.config.num_key_value_heads
+    assert cache.held_entries() == int(k.sum()) * L * H
 
 
 @pytest.mark.parametrize("name", BUILT_IN)

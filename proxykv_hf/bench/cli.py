@@ -31,7 +31,8 @@ def _scorers(ns, model, tok, tmp: str):
     proxy = getattr(ns, "_proxy_model", None)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
                             proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None))
-    scorers = {method: registry.build(method, context) for method in dict.fromkeys(["full", *ns.methods])}
+    names = dict.fromkeys(["full", *(m.partition("@")[0] for m in ns.methods)])  # "kvzip@global" scores as kvzip
+    scorers = {method: registry.build(method, context) for method in names}
     runner = scorers.get("proxykv")
     if isinstance(runner, ProxyScorer):
         runner = runner.proxy_model if runner.spec.kind == "model" else model
@@ -114,7 +115,7 @@ def run_bench(ns) -> int:
                 logger.warning("--fresh-memory applies to the CPU only: on %s the allocator's own peak is used",
                                next(model.parameters()).device)
         bench = Bench(model, scorers, cfg, proxy_runner=runner, memory_probe=probe)
-        with tqdm(total=len(cfg.context_lengths) * len(cfg.methods), desc="bench", unit="method") as bar:
+        with tqdm(total=len(cfg.context_lengths) * len(bench.labels()), desc="bench", unit="method") as bar:
             rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
                                                                    ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
     env = environment(model)

@@ -35,7 +35,7 @@ import torch
 from ..cache import ProxyKVCache
 from ..flops import GATED_MLP_FAMILIES, prefill_flops
 from ..scorers import registry
-from ..selection import select_topk
+from ..selection import BUDGETS, select_topk
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class BenchConfig:
         decode_graphs: on CUDA, also time decoding as replayed CUDA graphs (the reported decode figure; the
             eager figure is kept as ``decode_eager_ms_per_token``).
         seed: for the random prompts (timing does not depend on the token values).
+        budgets: ``"uniform"`` and/or ``"global"`` (``ProxyKVCache(budget=...)``); a method under the global
+            budget is reported as ``<method>@global`` (a method may also be named so directly).
         fresh_memory: on the CPU, measure each point's peak prefill memory in a fresh process (after a short
             warm-up prefill of the same method there), so that no method inherits another's heap; CUDA's allocator
             peak needs no such care.
@@ -68,9 +70,13 @@ class BenchConfig:
     decode_graphs: bool = True
     seed: int = 0
     fresh_memory: bool = False
+    budgets: list[str] = field(default_factory=lambda: ["uniform"])
 
     def __post_init__(self):
-        bad = [m for m in self.methods if m not in registry.names()]
+        if not self.budgets or any(b not in BUDGETS for b in self.budgets):
+            raise ValueError(f"budgets must be taken from {BUDGETS}, got {self.budgets!r}")
+        bad = [m for m in self.methods if m.partition("@")[0] not in registry.names()
+               or m.partition("@")[2] not in ("", *BUDGETS)]
         if bad:
             raise ValueError(f"unknown bench methods {bad}; choose from {', '.join(registry.names())}")
         if "full" not in self.methods:
@@ -169,10 +175,17 @@ class Bench:
         gen = torch.Generator().manual_seed(self.config.seed + n)
         return torch.randint(10, self.vocab - 10, (1, n), generator=gen).to(self.device)
 
-    def _cache(self, method: str) -> ProxyKVCache:
+    def labels(self) -> list[str]:
+        """The methods to run, each under each budget (``full`` once): ``snapkv``, ``snapkv@global``, ..."""
+        cfg = self.config
+        return list(dict.fromkeys(m if "@" in m or m == "full" or b == "uniform" else f"{m}@{b}"
+                                  for m in cfg.methods for b in cfg.budgets))
+
+    def _cache(self, label: str) -> ProxyKVCache:
+        method, _, budget = label.partition("@")
         scorer = self.scorers.get(method)
         scorer = None if scorer is None else scorer.fresh()
-        return ProxyKVCache(scorer, self.config.keep_ratio if method != "full" else 1.0)
+        return ProxyKVCache(scorer, self.config.keep_ratio if method != "full" else 1.0, budget=budget or "uniform")
 
     @torch.no_grad()
     def _prefill(self, method: str, ids: torch.Tensor) -> ProxyKVCache:
@@ -226,7 +239,7 @@ class Bench:
         prefill and what the method adds, with ``"total"``; None where the method or the model is not counted."""
         if self.model.config.model_type not in GATED_MLP_FAMILIES:
             return None
-        scorer = self.scorers.get(method)
+        scorer = self.scorers.get(method.partition("@")[0])
         try:
             if scorer is None:
                 target = prefill_flops(self.model.config, n)["target"]
@@ -261,12 +274,12 @@ class Bench:
         cfg, rows = self.config, []
         ids0 = self._prompt(min(cfg.context_lengths))
         for _ in range(cfg.warmup):
-            for method in cfg.methods:
+            for method in self.labels():
                 self._prefill(method, ids0)
         for n in cfg.context_lengths:
             ids = self._prompt(n)
             base = {}
-            for method in cfg.methods:
+            for method in self.labels():
                 times, cache = [], None
                 for _ in range(cfg.repeats):
                     cache = None  # free the last run's cache before the next prefill (16 GiB for an 8B at 128k)

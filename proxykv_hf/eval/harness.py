@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from ..cache import ProxyKVCache
 from ..pipeline import answer_from_cache
 from ..scorers.kvzip import N_SINK as KVZIP_N_SINK
-from ..selection import select_topk
+from ..selection import BUDGETS, select_topk
 from . import tasks as task_lib
 from ..scorers import registry
 from ..scorers.registry import ScorerContext
@@ -59,6 +59,8 @@ class EvalConfig:
         out_dir: where results, tables and plots go.
         split: ``"dev"`` or ``"test"`` of the locked protocol (:mod:`proxykv_hf.eval.splits`): its tasks and seed
             replace ``tasks`` and ``seed``, and the report names the split. None: the tasks and seed as given.
+        budgets: ``"uniform"`` and/or ``"global"`` (``ProxyKVCache(budget=...)``); a method under the global
+            budget is reported as ``<method>@global``.
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "kvzip", "snapkv", "streaming", "random"])
@@ -71,8 +73,12 @@ class EvalConfig:
     max_new_tokens: int = 32
     out_dir: str = "runs/eval"
     split: str | None = None
+    budgets: list[str] = field(default_factory=lambda: ["uniform"])
 
     def __post_init__(self):
+        bad_budgets = [b for b in self.budgets if b not in BUDGETS]
+        if bad_budgets or not self.budgets:
+            raise ValueError(f"budgets must be taken from {BUDGETS}, got {self.budgets!r}")
         if self.split is not None:
             from .splits import check_split, get_split
 
@@ -225,7 +231,10 @@ class Harness:
         order = sorted(cfg.methods, key=lambda m: m != "kvzip")  # the oracle first, for fidelity
         for method in order:
             ratios = [1.0] if method == "full" else cfg.keep_ratios
-            todo = [r for r in ratios if (task, length, idx, method, r) not in done]
+            variants = [("uniform", method)] if method == "full" else \
+                [(b, method if b == "uniform" else f"{method}@{b}") for b in cfg.budgets]
+            todo = [(b, label, r) for b, label in variants for r in ratios
+                    if (task, length, idx, label, r) not in done]
             bar.update(1)
             if not todo:
                 continue
@@ -236,19 +245,20 @@ class Harness:
                 if method == "kvzip":
                     oracle = scores
                     _save_scores(oracle_path, scores)  # later runs (other methods) reuse it for fidelity
-            for ratio in todo:
+            for budget, label, ratio in todo:
                 if cfg.protocol == "query-agnostic":
-                    cache = base if method == "full" else compacted_copy(base, ratio)
+                    cache = base if method == "full" else compacted_copy(base, ratio, budget)
                     pred, t_answer = self._answer(cache, ctx, q)
                 else:
-                    cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio)
+                    cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio,
+                                         budget=budget)
                     pred, t_answer = self._generate(cache, ctx, q)
                     t_prefill = 0.0
-                rec = {"task": task, "context_length": length, "sample": idx, "method": method, "keep_ratio": ratio,
+                rec = {"task": task, "context_length": length, "sample": idx, "method": label, "keep_ratio": ratio,
                        "score": score_sample(sample, pred), "prediction": pred, "answers": sample.answers,
                        "n_tokens": int(ctx.shape[1]), "kv_bytes": cache.nbytes(), "seed": cfg.seed,
                        "protocol": cfg.protocol, "prefill_s": round(t_prefill, 4), "answer_s": round(t_answer, 4)}
-                if oracle is not None and cfg.protocol == "query-agnostic":
+                if oracle is not None and cfg.protocol == "query-agnostic" and budget == "uniform":
                     rec.update(fidelity(scores if method != "full" else {}, oracle, valid, ratio, base.n_sink,
                                         base.n_recent, self.oracle_sink))
                 log.write(json.dumps(rec) + "\n")

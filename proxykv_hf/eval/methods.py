@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from ..cache import ProxyKVCache
+from ..cache import ProxyKVCache, global_keep
 from ..layer import ProxyKVLayer
 from ..scorers import registry
 from ..scorers.registry import ScorerContext
@@ -55,23 +55,28 @@ class RecordingCache(ProxyKVCache):
         self.layers[layer_idx].compact(None)
 
 
-def compacted_copy(recorded: RecordingCache, keep_ratio: float) -> ProxyKVCache:
-    """From a :class:`RecordingCache` after its prefill: a new cache holding what a cache with ``keep_ratio`` would
-    hold (same scores, same selection), sharing no mutable state with ``recorded``."""
+def compacted_copy(recorded: RecordingCache, keep_ratio: float, budget: str = "uniform") -> ProxyKVCache:
+    """From a :class:`RecordingCache` after its prefill: a new cache holding what a cache with ``keep_ratio`` and
+    ``budget`` would hold (same scores, same selection), sharing no mutable state with ``recorded``."""
     first = recorded.compactable_layers()
     if recorded.prompt is None or not first or not recorded.layers[first[0]].compacted:
         raise ValueError("compacted_copy() needs a RecordingCache whose prompt has been prefilled")
-    new = ProxyKVCache(None, keep_ratio, n_sink=recorded.n_sink, n_recent=recorded.n_recent)
+    new = ProxyKVCache(None, keep_ratio, n_sink=recorded.n_sink, n_recent=recorded.n_recent, budget=budget)
     new.layer_class_to_replicate = None
     new.layers = []
     valid = recorded.prompt.valid
+    keep = {}
+    if budget == "global" and recorded.scores:
+        keep = global_keep(recorded.scorer, recorded.scores, valid, keep_ratio, recorded.n_sink, recorded.n_recent)
     for i, layer in enumerate(recorded.layers):
         if not isinstance(layer, ProxyKVLayer):
             new.layers.append(copy.copy(layer))
             continue
         twin = ProxyKVLayer()
         twin.__dict__.update(vars(layer))
-        if i in recorded.scores:
+        if i in keep:
+            twin.compact_ragged(keep[i])
+        elif i in recorded.scores:
             scores = recorded.scores[i]
             indices, slot_valid = select_topk(scores, keep_ratio, valid.to(scores.device), recorded.n_sink,
                                               recorded.n_recent)

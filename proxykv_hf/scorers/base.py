@@ -97,6 +97,11 @@ class Scorer:
     def prepare(self, prompt: Prompt) -> None:
         """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""
 
+    def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each layer's scores made comparable across layers and heads, for the global budget
+        (:func:`~proxykv_hf.selection.select_global`); ``valid`` `(B, T)` marks real tokens. Default: as they are."""
+        return scores
+
     def prefill_flops(self, model, n_tokens: int) -> dict[str, float] | None:
         """Matmul FLOPs of one ``n_tokens`` prefill of ``model`` with this scorer's cache, by part (``"target"``,
         what the method adds, ``"total"``) for ``proxykv bench``; None where the method does not count them."""

@@ -15,6 +15,8 @@ from .base import BackgroundScorer, LayerInputs, Prompt
 
 logger = logging.getLogger(__name__)
 
+GLOBAL_NORMS = ("none", "layer")
+
 
 class ProxyScorer(BackgroundScorer):
     """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`).
@@ -42,13 +44,16 @@ class ProxyScorer(BackgroundScorer):
         pool_kernel: before the Top-K, lift each score to the mean of the ``pool_kernel`` tokens around it where that
             is higher (odd; 1 = off; :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``); None: the
             checkpoint's ``pool_kernel``.
+        global_norm: how the mapper's scores are made comparable across layers and heads under the global budget:
+            ``"none"`` (the logits as they are: the magnitude head is trained on KVzip's raw scores) or
+            ``"layer"`` (standardised per layer and row over its heads' real tokens).
         fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
             :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
     """
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
                  n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
-                 pool_kernel: int | None = None, fused: FusedStatistics | None = None):
+                 pool_kernel: int | None = None, global_norm: str = "none", fused: FusedStatistics | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -60,6 +65,9 @@ class ProxyScorer(BackgroundScorer):
         self.needs_input_ids = self.spec.kind != "self"
         self.statistics = tuple(self.spec.statistics) if self.spec.kind == "self" else ()
         self.fused = fused or FusedStatistics()
+        if global_norm not in GLOBAL_NORMS:
+            raise ValueError(f"global_norm must be one of {GLOBAL_NORMS}, got {global_norm!r}")
+        self.global_norm = global_norm
         self.mapper_autocast = mapper_autocast
         self.overlap = overlap
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
@@ -182,6 +190,18 @@ class ProxyScorer(BackgroundScorer):
         """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics."""
         return proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
                               statistics=self.spec.statistics, fused=self.fused)
+
+    def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
+        if self.global_norm == "none":
+            return scores
+        out = {}
+        for i, s in scores.items():
+            s, real = s.float(), valid[:, None, :].expand_as(s)
+            n = real.sum((1, 2), keepdim=True).clamp_min(1)
+            mean = s.masked_fill(~real, 0.0).sum((1, 2), keepdim=True) / n
+            var = ((s - mean) ** 2).masked_fill(~real, 0.0).sum((1, 2), keepdim=True) / n
+            out[i] = (s - mean) / var.sqrt().clamp_min(1e-6)
+        return out
 
     def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
         from ..flops import attention_shape, prefill_flops

@@ -38,6 +38,16 @@ class SnapKVScorer(LayerScorer):
         H_kv = inputs.keys.shape[1]
         return pooled.view(B, H_kv, H // H_kv, T).mean(dim=2)  # (B, H_kv, T)
 
+    def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each layer's scores over their sum across the layer's heads and real tokens (per row): every layer
+        brings the same attention mass, and within a layer heads compare as the attention they receive (kvpress's
+        AdaKV compares SnapKV's scores across the heads of a layer unnormalised)."""
+        out = {}
+        for i, s in scores.items():
+            s = s.float().masked_fill(~valid[:, None, :], 0.0)
+            out[i] = s / s.sum((1, 2), keepdim=True).clamp_min(1e-12)
+        return out
+
     def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
         from ..flops import prefill_flops, snapkv_flops
 

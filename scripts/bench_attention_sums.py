@@ -1,6 +1,9 @@
 """Fused (Triton) vs PyTorch attention column sums on a GPU: time, peak memory, agreement.
 
-    python examples/bench_attention_sums.py --lengths 4096 8192 16384 32768
+How to run me (one CUDA GPU; ``bash scripts/gpu_benchmarks.sh tests OUT`` runs both, for docs/performance.md)::
+
+    python scripts/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536
+    python scripts/bench_attention_sums.py --lengths 4096 8192 16384 32768 65536 --statistics sum max
 
 The shape defaults to one Llama-3.2-1B layer (32 query heads, 8 KV heads, head dim 64) in bfloat16: the work the
 proxy does per layer on top of its own prefill. ``--statistics sum max`` times the sums with the per-key maxima

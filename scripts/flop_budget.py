@@ -1,9 +1,12 @@
 """ProxyKV's compute floor on one device: matmul FLOPs of the full prefill and of ProxyKV's parts, per pair of real
-shapes (``proxykv_hf.bench.flops``), and, from ``proxykv bench`` JSON files of those shapes, what each part reached.
+shapes (``proxykv_hf.flops``), and, from ``proxykv bench`` JSON files of those shapes, what each part reached.
 
-    python examples/flop_budget.py                                   # the FLOP table of both pairs, 4k-128k
-    python examples/flop_budget.py --bench docs/data/gpu_llama.json  # + measured TTFT and TFLOP/s per part
-    python examples/flop_budget.py --bench docs/data/gpu_*.json --plot floor.png  # + both as a plot
+How to run me (CPU, seconds)::
+
+    python scripts/flop_budget.py                                   # the FLOP table of both pairs, 4k-128k
+    python scripts/flop_budget.py --bench docs/data/gpu_llama.json  # + measured TTFT and TFLOP/s per part
+    python scripts/flop_budget.py --bench docs/data/gpu_llama.json docs/data/gpu_llama_long.json \
+        docs/data/gpu_qwen_kvzip_iam.json --plot docs/flop_floor_gpu.png  # the tables and plot of docs/performance.md
 
 The FLOP ratio is the TTFT ratio that one device could reach were the proxy, its statistics and the mapper run as
 efficiently as the target's prefill; the measured rows say how far each part is from that. A part's rate is its
@@ -17,7 +20,7 @@ import argparse
 import functools
 import json
 
-from proxykv_hf.bench.flops import kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
+from proxykv_hf.flops import kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
 from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config, shape_config
 from proxykv_hf.scorers.kvzip import KVzipScorer
 from proxykv_hf.testing import tiny_tokenizer
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bench", nargs="*", default=[], help="proxykv bench JSON files of the real shapes")
     p.add_argument("--bench-statistics-passes", type=int, default=2,
                    help="what the runs in --bench executed, for rows without their own FLOP counts (2: sdpa + both "
-                        "fused passes, before the flash path)")
+                        "fused passes, as in docs/data/gpu_*.json)")
     p.add_argument("--plot", default=None, help="write a plot of the floors and the measured ratios here")
     p.add_argument("--target", type=float, default=None, help="a TTFT ratio to draw on the plot")
     ns = p.parse_args(argv)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU measurements of docs/performance.md, one phase per call.
+#
+# How to run me (one CUDA GPU, the package installed with a CUDA build of torch):
+#   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the fused-kernel tables (bench_attention_sums.py)
+#   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
+#   KVZIP= bash scripts/gpu_benchmarks.sh llama OUT_DIR          # the same without KVzip (its rows take longest)
+#   bash scripts/gpu_benchmarks.sh qwen OUT_DIR     # Qwen2.5-7B / 1.5B shapes, all five methods -> OUT_DIR/qwen/
+#   bash scripts/gpu_benchmarks.sh long OUT_DIR [SHAPE]   # 64k and 128k, full vs ProxyKV -> OUT_DIR/long-SHAPE/
+#
+# Random-weight models with the published shapes (speed does not depend on the weight values), bfloat16, sdpa
+# attention, keep ratio 0.3. Each bench directory holds bench.json (rows, config, environment), bench.md and
+# bench.png; docs/data/gpu_*.json are such files.
+set -uo pipefail
+phase=${1:?give a phase: tests, llama, qwen or long}; out=${2:-bench-out/gpu}; mkdir -p "$out"
+here=$(dirname "$0")
+bench() { python3 -m proxykv_hf.cli bench --dtype bfloat16 --keep-ratio 0.3 "$@"; }
+case $phase in
+  tests)
+    python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
+    python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536
+    python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536 --statistics sum max ;;
+  llama)
+    bench --shape llama-3.1-8b --methods full snapkv ${KVZIP-kvzip} proxykv --context-lengths 4096 8192 16384 32768 \
+      --repeats 3 --decode-tokens 128 --out "$out/llama" ;;
+  qwen)
+    bench --shape qwen2.5-7b --methods full snapkv kvzip kvzip_iam proxykv --context-lengths 4096 8192 16384 32768 \
+      --repeats 3 --decode-tokens 128 --out "$out/qwen" ;;
+  long)  # expandable segments: without them the 128k prefill fails on fragmentation (12 GiB reserved, unused)
+    shape=${3:-llama-3.1-8b}
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --shape "$shape" --methods full proxykv \
+      --context-lengths 65536 131072 --repeats 1 --warmup 0 --decode-tokens 32 --out "$out/long-$shape" ;;
+  *) echo "unknown phase $phase: give tests, llama, qwen or long"; exit 2 ;;
+esac

@@ -1,0 +1,46 @@
+"""The scripts that redraw docs/performance.md's plots and FLOP tables, run as the doc runs them, on docs/data/
+(scripts/results_tables.py: tests/test_protocol.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "docs" / "data"
+pytestmark = pytest.mark.slow  # each run starts a Python process with torch and transformers
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+def test_bench_plots_merges_the_memory_run(tmp_path):
+    done = run("bench_plots.py", str(DATA / "cpu_bench_1k8k.json"), "--memory-from",
+               str(DATA / "cpu_bench_1k8k_fresh_memory.json"), "--out", str(tmp_path / "bench.png"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    short = {"rows": [r for r in json.loads((DATA / "cpu_bench_1k8k.json").read_text())["rows"] if r["context"] < 8192]}
+    (tmp_path / "short.json").write_text(json.dumps(short))
+    done = run("bench_plots.py", str(DATA / "cpu_bench_1k8k.json"), "--memory-from", str(tmp_path / "short.json"),
+               "--out", str(tmp_path / "other.png"))
+    assert done.returncode != 0 and "has no row for (context, method) (8192" in done.stderr
+
+
+def test_flop_budget_prints_the_floor_and_the_measured_rows(tmp_path):
+    done = run("flop_budget.py", "--context-lengths", "32768", "--bench", str(DATA / "gpu_llama.json"), "--plot",
+               str(tmp_path / "floor.png"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    llama = done.stdout.split("qwen2.5-7b target")[0]
+    floor = [line.split("|")[7].strip() for line in llama.splitlines() if line.startswith("| 32768 |")]
+    assert floor and 1.0 < float(floor[0]) < 2.0  # ProxyKV adds work, less than a second prefill's
+    measured = [line for line in done.stdout.splitlines() if line.startswith("| 32768 | 1.76 |")]
+    assert measured  # the bench file's ProxyKV row at 32k, against its floor
+    assert (tmp_path / "floor.png").stat().st_size > 0
