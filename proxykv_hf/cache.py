@@ -74,24 +74,20 @@ class ProxyKVCache(DynamicCache):
         self._clear_state()
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, keep_ratio: float = 0.3, *, proxy=None, proxy_device=None,
-                        n_sink: int = 0, n_recent: int = 0, config=None, fuse_statistics: bool = True,
-                        budget: str = "uniform", **kwargs) -> "ProxyKVCache":
+    def from_pretrained(cls, name_or_path: str, keep_ratio: float = 0.3, *, fuse_statistics: bool = True,
+                        **kwargs) -> "ProxyKVCache":
         """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
 
-        ``name_or_path``, ``proxy``, ``proxy_device`` and ``**kwargs`` (``revision``, ``cache_dir``, ``token``,
-        ``local_files_only``, ``chunk_size``, ``pool_kernel``, ...) go to
-        :meth:`ProxyScorer.from_pretrained <proxykv_hf.scorers.proxy.ProxyScorer.from_pretrained>`; ``keep_ratio``,
-        ``n_sink``, ``n_recent``, ``config``, ``budget`` and ``fuse_statistics`` (the proxy's too) to the
-        constructor. Use the cache for one ``generate`` call, and
-        :meth:`fresh` for the next.
+        ``n_sink``, ``n_recent``, ``config`` and ``budget`` go to the constructor; ``name_or_path`` and the other
+        ``kwargs`` (``proxy``, ``proxy_device``, ``revision``, ``cache_dir``, ``token``, ``local_files_only``,
+        ``pool_kernel``, ...) to :meth:`ProxyScorer.from_pretrained <proxykv_hf.scorers.proxy.ProxyScorer.
+        from_pretrained>`; ``fuse_statistics`` to both. Use the cache for one ``generate`` call, :meth:`fresh` next.
         """
         from .scorers.proxy import ProxyScorer
 
-        scorer = ProxyScorer.from_pretrained(name_or_path, proxy=proxy, proxy_device=proxy_device,
-                                             fused=FusedStatistics(enabled=fuse_statistics), **kwargs)
-        return cls(scorer, keep_ratio, n_sink=n_sink, n_recent=n_recent, config=config,
-                   fuse_statistics=fuse_statistics, budget=budget)
+        own = {k: kwargs.pop(k) for k in ("n_sink", "n_recent", "config", "budget") if k in kwargs}
+        scorer = ProxyScorer.from_pretrained(name_or_path, fused=FusedStatistics(enabled=fuse_statistics), **kwargs)
+        return cls(scorer, keep_ratio, fuse_statistics=fuse_statistics, **own)
 
     def fresh(self) -> "ProxyKVCache":
         """An empty cache with the same settings, sharing the scorer's heavy parts (mapper, proxy model)."""
@@ -121,11 +117,6 @@ class ProxyKVCache(DynamicCache):
         """Empty the cache, forget the prompt; the next prefill is compressed again."""
         super().reset()
         self._clear_state()
-
-    @property
-    def prefill_length(self) -> int | None:
-        """Logical length of the first prefill (None until the prompt is known)."""
-        return None if self.prompt is None else self.prompt.length
 
     # ----------------------------------------------------------------------------------------------- prompt
     def prepare(self, model, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -161,7 +152,7 @@ class ProxyKVCache(DynamicCache):
 
     def _keeps_everything(self) -> bool:
         """No scorer, or every row keeps its whole prompt."""
-        return self.scorer is None or int(self._budgets.max()) >= self.prefill_length
+        return self.scorer is None or int(self._budgets.max()) >= self.prompt.length
 
     # ----------------------------------------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -181,7 +172,7 @@ class ProxyKVCache(DynamicCache):
         layer = self.layers[layer_idx]
         schedule = self._schedule
         if isinstance(layer, ProxyKVLayer):
-            if not layer.compacted and layer.cumulative_length >= self.prefill_length:
+            if not layer.compacted and layer.cumulative_length >= self.prompt.length:
                 if schedule is None:
                     layer.compact(None)  # nothing to drop (keep_ratio 1.0, or every row short enough)
                 else:

@@ -8,7 +8,7 @@ How to run me::
 Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run. Printed per file and context length
 (:func:`proxykv_hf.eval.report.interval_tables`): every method's accuracy % per keep ratio, its mean over the
 ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, and a table per
-task. ``--plot`` draws the first file's accuracy against keep ratio.
+task. ``--plot`` draws the first file's accuracy against keep ratio; ``--merge`` reads all files as one run.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", default=None, help="the split the records come from, for the headings")
     p.add_argument("--plot", default=None, help="write the first file's accuracy plot here (PNG)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates")
+    p.add_argument("--merge", action="store_true", help="read all files as one run (e.g. two budgets' records)")
     ns = p.parse_args(argv)
-    for i, path in enumerate(ns.files):
-        with open(path) as fh:
-            records = [json.loads(line) for line in fh if line.strip()]
+    runs = [[json.loads(line) for path in ns.files for line in open(path) if line.strip()]] if ns.merge else \
+        [[json.loads(line) for line in open(path) if line.strip()] for path in ns.files]
+    for i, records in enumerate(runs):
         print(interval_tables(records, ns.split, ns.n_boot))
         if i == 0 and ns.plot:
             plot(records, ns.plot)
