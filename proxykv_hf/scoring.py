@@ -297,6 +297,8 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) if lookback is not None else None
     first_rows = None if first is None else first.expand(B).tolist()  # read once, not per chunk (no device sync)
     attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], dtype=query.dtype, device=query.device)
+    if query_valid is not None and query.device.type == "cpu" and bool(query_valid.all()):
+        query_valid = None  # nothing to weight (off the GPU the check costs no device sync)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
     for q0 in range(0, Q, chunk_size):

@@ -19,6 +19,7 @@ def test_shipped_checkpoint_matches_smollm2_shape():
 
 
 @pytest.mark.smollm
+@pytest.mark.slow
 def test_shipped_checkpoint_runs_on_smollm2(smollm):
     model, tok = smollm
     cache = ProxyKVCache.from_pretrained(BUNDLED_MAPPER, keep_ratio=0.3)

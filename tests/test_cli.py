@@ -12,6 +12,7 @@ from proxykv_hf.cli import main
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_eval_tiny(tmp_path, capsys):
     out = tmp_path / "eval"
     main(["eval", "--tiny", "--methods", "full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam",
@@ -34,6 +35,7 @@ def test_eval_tiny(tmp_path, capsys):
     assert "ProxyKV / KVzip" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_demo_tiny(capsys):
     """The README's main command, on a tiny random model: one table row per method, with the cache sizes."""
     main(["demo", "--tiny", "--context-tokens", "300", "--pool-kernel", "3"])
@@ -52,6 +54,7 @@ def test_generate_tiny(capsys):
     assert capsys.readouterr().out.count("\n") >= 2
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_bench_tiny(tmp_path, capsys):
     main(["bench", "--tiny", "--methods", "full", "snapkv", "kvzip", "proxykv", "--context-lengths", "64", "128",
           "--repeats", "1", "--decode-tokens", "4", "--out", str(tmp_path)])
@@ -83,6 +86,7 @@ def test_bench_tiny(tmp_path, capsys):
     assert cells[("64", "full")] == "1.00" and float(cells[("64", "proxykv")]) > 1 and float(cells[("64", "kvzip")]) > 2
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_bench_fresh_memory(tmp_path, capsys, monkeypatch):
     """--fresh-memory: each point's peak prefill memory comes from a new process set up like this call (one per
     method and length), and the rows say how their peak was measured."""
@@ -139,6 +143,7 @@ def test_bench_self_proxy_breakdown(tmp_path, capsys, statistics):
     assert b["proxy_kind"] == "self" and b["overlap_fraction"] == 0.0 and b["proxy_s"] >= 0
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_build_data_and_train_tiny(tmp_path, capsys):
     data, mapper = tmp_path / "data", tmp_path / "mapper"
     main(["build-data", "--tiny", "--tasks", "niah_single_1", "--n-per-task", "2", "--tokens", "250",
@@ -175,6 +180,7 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
 
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_build_data_adds_the_max_statistic_without_the_oracle(tmp_path, monkeypatch):
     import proxykv_hf.train.data as data_mod
 
@@ -203,6 +209,7 @@ def test_build_data_adds_the_max_statistic_without_the_oracle(tmp_path, monkeypa
     assert saved["mapper"]["num_statistics"] == 1 and saved["proxy"]["statistics"] == ["sum"]
 
 
+@pytest.mark.slow  # a whole command on a tiny model
 def test_eval_adds_methods_later_with_fidelity(tmp_path, monkeypatch):
     """A second run with a new method (KVzip not among them) reuses the stored KVzip scores for its fidelity,
     without building a KVzip scorer."""

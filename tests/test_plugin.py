@@ -20,6 +20,7 @@ def toy():
         registry.unregister("toy_keynorm")
 
 
+@pytest.mark.slow  # three whole commands on a tiny model
 def test_plugin_through_generate_eval_and_bench(tmp_path, toy, capsys):
     main(["generate", "--tiny", "--method", "toy_keynorm", "--keep-ratio", "0.5", "--prompt", "hello " * 30,
           "--max-new-tokens", "3", *toy])

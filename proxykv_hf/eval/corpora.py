@@ -201,10 +201,44 @@ def _pycode() -> list[str]:
     return [_read(str(f)) for f in sorted(stdlib.glob("*.py")) if not f.name.startswith("_")]
 
 
+def _dependency_closure(root: str = "proxykv_hf", extras: tuple[str, ...] = ("test",)) -> list[str]:
+    """The distributions ``pip install -e '.[test]'`` brings, by name (what else is installed does not count)."""
+    seen, todo = set(), [(root, extras)]
+    while todo:
+        name, wanted = todo.pop()
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        seen.add(name.lower().replace("_", "-"))
+        for req in requires:
+            dep, _, marker = req.partition(";")
+            dep = re.split(r"[\s\[<>=!~(]", dep.strip(), maxsplit=1)[0]
+            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)", marker)
+            if extra and extra.group(1) not in wanted or ("extra" not in marker and marker.strip() and not
+                                                            _marker_holds(marker)):
+                continue
+            if dep.lower().replace("_", "-") not in seen:
+                todo.append((dep, ()))
+    return sorted(seen)
+
+
+def _marker_holds(marker: str) -> bool:
+    try:
+        from packaging.markers import Marker
+
+        return Marker(marker).evaluate()
+    except Exception:  # packaging missing or an odd marker: count the dependency in
+        return True
+
+
 def _readmes() -> list[str]:
     docs = {}
+    closure = set(_dependency_closure())
     for dist in importlib.metadata.distributions():
         meta = dist.metadata
+        if (meta.get("Name") or "").lower().replace("_", "-") not in closure:
+            continue
         body = meta.get_payload() or meta.get("Description") or ""
         name = (meta.get("Name") or "").lower()
         if name and name != "proxykv_hf" and len(body) > 2000:
