@@ -26,9 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="write the first file's accuracy plot here (PNG)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates")
     p.add_argument("--merge", action="store_true", help="read all files as one run (e.g. two budgets' records)")
+    p.add_argument("--methods", nargs="+", default=None, help="only these methods (the full cache is always kept)")
     ns = p.parse_args(argv)
     runs = [[json.loads(line) for path in ns.files for line in open(path) if line.strip()]] if ns.merge else \
         [[json.loads(line) for line in open(path) if line.strip()] for path in ns.files]
+    if ns.methods:
+        runs = [[r for r in records if r["method"] in {"full", *ns.methods}] for records in runs]
     for i, records in enumerate(runs):
         print(interval_tables(records, ns.split, ns.n_boot))
         if i == 0 and ns.plot:

@@ -95,18 +95,20 @@ def test_bench_fresh_memory(tmp_path, capsys, monkeypatch):
     calls = []
     real = bench_cli.subprocess.run
     monkeypatch.setattr(bench_cli.subprocess, "run", lambda args, **k: calls.append(args) or real(args, **k))
-    main(["bench", "--tiny", "--methods", "full", "proxykv", "--context-lengths", "96", "--repeats", "1",
-          "--warmup", "0", "--decode-tokens", "0", "--fresh-memory"])
+    main(["bench", "--tiny", "--methods", "full", "proxykv", "--budgets", "uniform", "global", "--context-lengths",
+          "96", "--repeats", "1", "--warmup", "0", "--decode-tokens", "0", "--fresh-memory"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-    assert [r["peak_measure"] for r in rows] == ["fresh process, sampled RSS"] * 2
+    assert [r["method"] for r in rows] == ["full", "proxykv", "proxykv@global"]
+    assert [r["peak_measure"] for r in rows] == ["fresh process, sampled RSS"] * 3
     assert all(r["peak_prefill_bytes"] >= 0 for r in rows)
-    specs = [json.loads(args[-1]) for args in calls]
+    specs = [json.loads(args[-1]) for args in calls if "proxykv_hf.bench.cli" in args]  # not e.g. uname -p
     assert [(s["methods"], s["context_lengths"], s["tiny"], s["fresh_memory"]) for s in specs] == [
-        (["full"], [96], True, False), (["proxykv"], [96], True, False)]
+        (["full"], [96], True, False), (["proxykv"], [96], True, False), (["proxykv@global"], [96], True, False)]
     main(["bench", "--tiny", "--methods", "full", "--context-lengths", "96", "--repeats", "1", "--warmup", "0",
           "--decode-tokens", "0"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-    assert rows[0]["peak_measure"] == "this process, sampled RSS" and len(calls) == 2
+    assert rows[0]["peak_measure"] == "this process, sampled RSS"
+    assert sum("proxykv_hf.bench.cli" in args for args in calls) == 3  # no new process without --fresh-memory
 
 
 def test_fresh_memory_child_failure_is_reported(monkeypatch):

@@ -25,13 +25,13 @@ def _scorers(ns, model, tok, tmp: str):
     breakdown; None without ProxyKV)."""
     from ..scorers import ProxyScorer, ScorerContext, registry
 
-    mapper = getattr(ns, "_mapper_dir", None) or (mapper_for(ns, model, tmp) if "proxykv" in ns.methods else None)
-    if "proxykv" in ns.methods and mapper is None:
+    names = dict.fromkeys(["full", *(m.partition("@")[0] for m in ns.methods)])  # "kvzip@global" scores as kvzip
+    mapper = getattr(ns, "_mapper_dir", None) or (mapper_for(ns, model, tmp) if "proxykv" in names else None)
+    if "proxykv" in names and mapper is None:
         raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
     proxy = getattr(ns, "_proxy_model", None)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
                             proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None))
-    names = dict.fromkeys(["full", *(m.partition("@")[0] for m in ns.methods)])  # "kvzip@global" scores as kvzip
     scorers = {method: registry.build(method, context) for method in names}
     runner = scorers.get("proxykv")
     if isinstance(runner, ProxyScorer):
