@@ -301,20 +301,27 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
         query_valid = None  # nothing to weight (off the GPU the check costs no device sync)
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
+    k_t = k.transpose(-1, -2)  # (B, H_kv, D, T)
+    # one buffer for every chunk's logits, softmaxed in place: no fresh chunk-sized allocation (and page faults) per
+    # chunk, and no second chunk-sized tensor for the probabilities
+    scratch = torch.empty(B * H * min(chunk_size, Q) * T, dtype=torch.float32, device=query.device)
     for q0 in range(0, Q, chunk_size):
         q1 = min(q0 + chunk_size, Q)
         t_end = min(T, q1 + T - Q) if causal else T
         d0 = q0 + T - Q  # key position of the chunk's first query
-        q = query[:, :, q0:q1].float().mul(scaling).view(B, H_kv, G, q1 - q0, D)  # (B, H_kv, G, C, D)
-        logits = torch.einsum("bhgcd,bhtd->bhgct", q, k[:, :, :t_end])  # (B, H_kv, G, C, t_end)
+        C = q1 - q0
+        q = query[:, :, q0:q1].float().mul(scaling).reshape(B, H_kv, G * C, D)  # (B, H_kv, G*C, D)
+        logits = scratch[: B * H * C * t_end].view(B, H_kv, G * C, t_end)
+        torch.matmul(q, k_t[..., :t_end], out=logits)
+        logits = logits.view(B, H_kv, G, C, t_end)
         if plain:
-            future = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
+            future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
             logits[..., d0:t_end].masked_fill_(future, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)  # every row sees at least its own key
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # every row sees its own key
         else:
             bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
             logits.add_(bias[:, :, None])  # broadcast over (H_kv, G)
-            probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # fully masked rows -> 0
+            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).nan_to_num_(0.0)  # masked rows -> 0
         if v is not None:
             rows = torch.matmul(probs.view(B, H_kv, G * (q1 - q0), t_end), v[:, :, :t_end])  # (B, H_kv, G*C, Dv)
             attended[:, :, :, q0:q1] = rows.view(B, H_kv, G, q1 - q0, -1)
