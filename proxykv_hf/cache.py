@@ -200,7 +200,8 @@ class ProxyKVCache(DynamicCache):
             return
         indices, slot_valid = select_topk(scores, self.keep_ratio, self.prompt.valid.to(scores.device), self.n_sink,
                                           self.n_recent, k_row=self._budgets)
-        self.layers[layer_idx].compact(indices, budgets=self._budgets, slot_valid=slot_valid)
+        spare = bool((self._budgets < self._budgets.max()).any())  # on the CPU: no device sync
+        self.layers[layer_idx].compact(indices, budgets=self._budgets, slot_valid=slot_valid if spare else None)
 
     def kept_sets(self) -> dict[int, list[list[torch.Tensor]]]:
         """``{layer: [b][h] -> sorted prompt positions kept}`` for every compacted layer, under either budget."""

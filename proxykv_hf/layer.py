@@ -62,14 +62,14 @@ class ProxyKVLayer(DynamicLayer):
         Args:
             indices: positions to keep, sorted per row and head.
             budgets: `(B,)` entries each row really keeps (``<= K``).
-            slot_valid: `(B, K)` False on a row's spare slots (where ``budgets < K``); None: all slots real.
+            slot_valid: `(B, K)` False on a row's spare slots (where ``budgets < K``); None when every row fills K.
         """
         if indices is not None:
             idx = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # (B, H_kv, K, D)
             self.keys = self.keys.gather(2, idx.to(self.keys.device))
             self.values = self.values.gather(2, idx.to(self.values.device))
         self.kept_positions, self.budgets = indices, budgets
-        self.slot_valid = None if slot_valid is None or bool(slot_valid.all()) else slot_valid
+        self.slot_valid = slot_valid
         self.compacted = True
         self.compacted_at = self.cumulative_length
 

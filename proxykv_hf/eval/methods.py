@@ -80,7 +80,7 @@ def compacted_copy(recorded: RecordingCache, keep_ratio: float, budget: str = "u
             scores = recorded.scores[i]
             indices, slot_valid = select_topk(scores, keep_ratio, valid.to(scores.device), recorded.n_sink,
                                               recorded.n_recent)
-            twin.compact(indices, slot_valid=slot_valid)
+            twin.compact(indices, slot_valid=None if bool(slot_valid.all()) else slot_valid)
         new.layers.append(twin)
     new.prompt = recorded.prompt
     return new
