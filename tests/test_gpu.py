@@ -138,3 +138,24 @@ def test_kvzip_on_cuda_matches_cpu(monkeypatch, lengths):
 
     for a, b in zip(bias, mask):  # per layer: (B, H_kv, T); row 0 is unpadded in both cases
         assert _overlap(select_topk(a[:1], 0.3)[0], select_topk(b[:1], 0.3)[0]) > 0.9
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_global_budget_on_cuda_matches_cpu(padded):
+    """The packed layout and its attention on CUDA: the same kept sets and tokens as on the CPU (KVzip scores)."""
+    from proxykv_hf import KVzipScorer
+    from proxykv_hf.testing import tiny_tokenizer
+
+    inputs = random_prompt(2, 96, lengths=[96, 70] if padded else None, seed=3)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        model = tiny_model("llama", num_hidden_layers=4).to(device)
+        cache = ProxyKVCache(KVzipScorer(tiny_tokenizer(), chunk_size=32), keep_ratio=0.3, budget="global")
+        out = model.generate(**{k: v.to(device) for k, v in inputs.items()}, past_key_values=cache, max_new_tokens=6,
+                             do_sample=False, pad_token_id=0)
+        runs[device] = out.cpu(), cache.kept_sets(), cache.held_entries()
+    (a, sets_a, n_a), (b, sets_b, n_b) = runs["cpu"], runs["cuda"]
+    assert n_a == n_b and torch.equal(a, b)
+    for i in sets_a:
+        for row_a, row_b in zip(sets_a[i], sets_b[i]):
+            assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(row_a, row_b))
