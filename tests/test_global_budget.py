@@ -168,3 +168,27 @@ def test_keep_ratio_one_is_a_dynamic_cache(budget):
 def test_bad_budget_is_refused():
     with pytest.raises(ValueError, match="budget must be one of"):
         ProxyKVCache(SnapKVScorer(), 0.3, budget="per-layer")
+
+
+def test_crop_and_batch_ops_on_the_packed_layout():
+    """crop() removes only later tokens, and batch selection / repetition move whole rows with their owners."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    inputs = random_prompt(2, 60, lengths=[60, 44], seed=9)
+    short = ProxyKVCache(_SameValuesPerHead(), 0.3, budget="global")
+    long = ProxyKVCache(_SameValuesPerHead(), 0.3, budget="global")
+    model.generate(**inputs, past_key_values=short, max_new_tokens=3, **GEN)  # prompt + 2 fed-back tokens
+    model.generate(**inputs, past_key_values=long, max_new_tokens=6, **GEN)
+    long.crop(62)
+    for a, b in zip(short.layers, long.layers):
+        assert a.cumulative_length == b.cumulative_length == 62
+        assert torch.equal(a.owner, b.owner) and torch.equal(a.position, b.position)
+        torch.testing.assert_close(a.keys, b.keys)
+    with pytest.raises(ValueError, match="cannot crop"):
+        long.crop(59)
+    sets = short.kept_sets()
+    short.batch_select_indices(torch.tensor([1]))
+    short.batch_repeat_interleave(2)
+    for i, rows in short.kept_sets().items():
+        assert len(rows) == 2
+        for row in rows:
+            assert all(torch.equal(a, b) for a, b in zip(row, sets[i][1]))
