@@ -11,8 +11,8 @@ corpus          split  what                                                 inst
 ``pydocs``      train  the Python documentation's reStructuredText sources  ``apt-get install python3.11-doc``; PSF-2.0
 ``pycode``      train  the Python standard library's own ``.py`` modules    ships with CPython; PSF-2.0
 ``filler-train`` train plain everyday sentences, repeated (written here)   none; Apache-2.0 (this project)
-``readmes``     dev    the long descriptions of the installed Python        ``pip install -e .[test]``; each
-                       distributions (their PyPI pages)                     package's own (MIT, BSD, Apache-2.0, ...)
+``readmes``     dev    the long descriptions (PyPI pages) of the            ``pip install -e .[test]``; each
+                       distributions ``pip install -e .[test]`` brings      package's own (MIT, BSD, Apache-2.0, ...)
 ``filler-dev``  dev    plain everyday sentences, repeated (written here)    none; Apache-2.0 (this project)
 ``manpages``    test   the Linux man-pages project's pages, roff stripped   ``apt-get install manpages``; GPL-2+ and
                                                                             others (its debian/copyright)
