@@ -299,9 +299,10 @@ def test_plain_dynamic_cache_unaffected_after_opt_in():
     assert torch.equal(before.sequences, after.sequences)
 
 
+@pytest.mark.parametrize("budget", ["uniform", "global"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_compacted_copy_equals_a_live_cache(family):
-    """Recording scores once and compacting copies gives what a cache with that keep_ratio gives."""
+def test_compacted_copy_equals_a_live_cache(family, budget):
+    """Recording scores once and compacting copies gives what a cache with that keep_ratio and budget gives."""
     model = tiny_model(family)
     inputs = random_prompt(2, 40, lengths=[40, 29], seed=20)
     from proxykv_hf.eval.methods import RecordingCache, compacted_copy
@@ -311,10 +312,11 @@ def test_compacted_copy_equals_a_live_cache(family):
         model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), past_key_values=rec)
     assert rec.physical_lengths()[rec.compactable_layers()[0]] == 40  # nothing dropped
     for rho in (0.2, 0.5):
-        live = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=rho), n=4)
-        copy = compacted_copy(rec, rho)
-        for i in rec.compactable_layers():
-            assert torch.equal(copy.layers[i].kept_positions, live.past_key_values.layers[i].kept_positions)
+        live = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=rho, budget=budget), n=4)
+        copy = compacted_copy(rec, rho, budget)
+        for i, rows in live.past_key_values.kept_sets().items():
+            for row_live, row_copy in zip(rows, copy.kept_sets()[i]):
+                assert all(torch.equal(a, b) for a, b in zip(row_live, row_copy))
         ids = live.sequences[:, :41]
         out = model.generate(input_ids=ids, attention_mask=torch.cat([inputs["attention_mask"],
                                                                       torch.ones(2, 1, dtype=torch.long)], 1),

@@ -13,11 +13,11 @@ import copy
 
 import torch
 
-from ..cache import ProxyKVCache, global_keep
+from ..cache import ProxyKVCache
 from ..layer import ProxyKVLayer
 from ..scorers import registry
 from ..scorers.registry import ScorerContext
-from ..selection import select_topk
+from ..selection import keep_counts
 
 METHODS = tuple(registry.names())
 """Method names registered when this module was imported (``registry.names()`` is the live list). ``attn_sum`` /
@@ -61,26 +61,18 @@ def compacted_copy(recorded: RecordingCache, keep_ratio: float, budget: str = "u
     first = recorded.compactable_layers()
     if recorded.prompt is None or not first or not recorded.layers[first[0]].compacted:
         raise ValueError("compacted_copy() needs a RecordingCache whose prompt has been prefilled")
-    new = ProxyKVCache(None, keep_ratio, n_sink=recorded.n_sink, n_recent=recorded.n_recent, budget=budget)
+    new = ProxyKVCache(recorded.scorer, keep_ratio, n_sink=recorded.n_sink, n_recent=recorded.n_recent,
+                       budget=budget)
     new.layer_class_to_replicate = None
     new.layers = []
-    valid = recorded.prompt.valid
-    keep = {}
-    if budget == "global" and recorded.scores:
-        keep = global_keep(recorded.scorer, recorded.scores, valid, keep_ratio, recorded.n_sink, recorded.n_recent)
-    for i, layer in enumerate(recorded.layers):
-        if not isinstance(layer, ProxyKVLayer):
-            new.layers.append(copy.copy(layer))
-            continue
-        twin = ProxyKVLayer()
-        twin.__dict__.update(vars(layer))
-        if i in keep:
-            twin.compact_ragged(keep[i])
-        elif i in recorded.scores:
-            scores = recorded.scores[i]
-            indices, slot_valid = select_topk(scores, keep_ratio, valid.to(scores.device), recorded.n_sink,
-                                              recorded.n_recent)
-            twin.compact(indices, slot_valid=None if bool(slot_valid.all()) else slot_valid)
+    for layer in recorded.layers:
+        twin = copy.copy(layer)
+        if isinstance(layer, ProxyKVLayer):
+            twin = ProxyKVLayer()
+            twin.__dict__.update(vars(layer))
         new.layers.append(twin)
     new.prompt = recorded.prompt
+    new._budgets = keep_counts(recorded.prompt.valid.sum(-1), keep_ratio, new.n_sink + new.n_recent).cpu()
+    for i in sorted(recorded.scores):  # the live cache's own selection (uniform or global)
+        new.select(i, recorded.scores[i])
     return new
