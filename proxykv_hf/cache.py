@@ -213,9 +213,9 @@ class ProxyKVCache(DynamicCache):
 
     # ----------------------------------------------------------------------------------------------- reuse, size
     def snapshot(self) -> list[dict]:
-        """A cheap handle on the current state (tensors are shared, not copied): appends never modify stored
-        tensors in place, so :meth:`restore` brings the cache back, e.g. to answer several questions from one
-        compressed context."""
+        """A cheap handle on the current state (tensors are shared, not copied): appends never change what a
+        stored tensor or view shows (:meth:`ProxyKVLayer._append <proxykv_hf.layer.ProxyKVLayer._append>`), so
+        :meth:`restore` brings the cache back, e.g. to answer several questions from one compressed context."""
         return [dict(vars(layer)) for layer in self.layers]
 
     def restore(self, state: list[dict]) -> None:

@@ -32,6 +32,8 @@ class ProxyKVLayer(DynamicLayer):
     """
 
     is_croppable = True
+    ROOM = 128
+    """Entries of spare room a compacted layer's buffer gets for the tokens appended after the prompt."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -48,12 +50,34 @@ class ProxyKVLayer(DynamicLayer):
         self.owner: torch.Tensor | None = None  # ragged: (N,) b * H_kv + h of each stored entry
         self.position: torch.Tensor | None = None  # ragged: (N,) logical index of each stored entry
         self.n_kv_heads = 0
+        self._room: _Room | None = None  # compacted: the buffer that keys / values view (see _append)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.ragged:
             return self._append_ragged(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
-        return super().update(key_states, value_states, *args, **kwargs)
+        if not self.compacted:
+            return super().update(key_states, value_states, *args, **kwargs)
+        return self._append(key_states, value_states)
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Tokens after the compressed prompt, written into spare room at the end of a larger buffer, so that a
+        decode step copies only the new entries (a plain ``DynamicLayer`` copies the whole layer every step).
+
+        ``keys`` / ``values`` stay views of the buffer's filled part. The buffer is written in place only by the
+        layer whose view ends where the buffer's filled part ends; a copy sharing it (a snapshot restored, a
+        ``compacted_copy`` twin, a crop) finds another end and moves to a buffer of its own, so that appends never
+        change what another holder sees."""
+        n, T = key_states.shape[-2], self.keys.shape[-2]
+        room = self._room
+        if room is None or room.fill != T or T + n > room.keys.shape[-2] or \
+                room.keys.data_ptr() != self.keys.data_ptr() or room.keys.shape[:2] != self.keys.shape[:2]:
+            room = self._room = _Room(self.keys, self.values, extra=max(2 * n, self.ROOM))
+        room.keys[:, :, T:T + n].copy_(key_states)
+        room.values[:, :, T:T + n].copy_(value_states)
+        room.fill = T + n
+        self.keys, self.values = room.keys[:, :, :T + n], room.values[:, :, :T + n]
+        return self.keys, self.values
 
     def compact(self, indices: torch.Tensor | None, *, budgets: torch.Tensor | None = None,
                 slot_valid: torch.Tensor | None = None) -> None:
@@ -225,3 +249,18 @@ class ProxyKVLayer(DynamicLayer):
 
     def _batch_size(self) -> int:
         return self.budgets.shape[0] if self.ragged else self.keys.shape[0]
+
+
+class _Room:
+    """A compacted layer's K/V buffer with room at the end: ``keys`` / ``values`` `(B, H_kv, T + extra, D)`, the
+    first ``fill`` entries in use."""
+
+    __slots__ = ("keys", "values", "fill")
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, *, extra: int):
+        B, H, T, D = keys.shape
+        self.keys = keys.new_empty(B, H, T + extra, D)
+        self.values = values.new_empty(B, H, T + extra, values.shape[-1])
+        self.keys[:, :, :T].copy_(keys)
+        self.values[:, :, :T].copy_(values)
+        self.fill = T

@@ -41,8 +41,9 @@ def test_physical_and_logical_lengths(family):
         if isinstance(layer, ProxyKVLayer):
             assert layer.keys.shape[-2] == K + t
             assert layer.values.shape[-2] == K + t
-            # the dropped entries are really gone: the storage holds only what is kept
-            assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
+            # the dropped entries are really gone: the storage holds what is kept and the room for later tokens
+            entry = layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[-1] * layer.keys.element_size()
+            assert layer.keys.untyped_storage().nbytes() == (K + ProxyKVLayer.ROOM) * entry
         assert cache.get_seq_length(i) == N + t
     assert cache.compactable_layers()  # every family has at least one compacted layer
 
@@ -428,3 +429,32 @@ def test_plain_causal_declines_anything_special():
         assert not plain_causal(module, q, k, k, None, (), {**plain, **extra}), extra
     module.is_causal = False  # an encoder
     assert not plain_causal(module, q, k, k, None, (), plain)
+
+
+def test_appends_after_compaction_never_change_another_holders_view():
+    """Compacted layers append into spare room in place; a snapshot, a restored state and a twin sharing the buffer
+    each keep what they saw."""
+    torch.manual_seed(0)
+    layer = ProxyKVLayer()
+    k, v = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    layer.update(k, v)
+    layer.compact(torch.tensor([[[0, 3, 5], [1, 2, 9]]]))
+    step = [torch.randn(1, 2, 1, 4) for _ in range(4)]
+    layer.update(step[0], step[0])
+    saved = dict(vars(layer))
+    twin = ProxyKVLayer()
+    twin.__dict__.update(saved)
+    layer.update(step[1], step[1])
+    room = layer.keys.untyped_storage().data_ptr()
+    layer.update(step[2], step[2])
+    assert layer.keys.untyped_storage().data_ptr() == room  # in place: no copy of the whole layer
+    twin.update(step[3], step[3])  # shares the buffer but ends elsewhere: moves to its own
+    assert twin.keys.untyped_storage().data_ptr() != room
+    assert torch.equal(twin.keys[:, :, -1:], step[3]) and torch.equal(twin.keys[:, :, 3:4], step[0])
+    assert torch.equal(layer.keys[:, :, 3:], torch.cat(step[:3], 2))
+    assert saved["keys"].shape[-2] == 4 and torch.equal(saved["keys"][:, :, 3:], step[0])
+    layer.__dict__.clear()
+    layer.__dict__.update(saved)  # restore, then a different continuation
+    layer.update(step[3], step[3])
+    assert torch.equal(layer.keys[:, :, 3:], torch.cat([step[0], step[3]], 2))
+    assert layer.get_seq_length() == 12 and layer.keys.shape[-2] == 5

@@ -235,6 +235,9 @@ def test_results_tables_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| KVzip | 66.7 | 66.7 [" in out and "| 50% |" in out and "ProxyKV / KVzip: 50%" in out
     assert (tmp_path / "a.png").exists()
+    assert module.main([str(data), "--n-boot", "50", "--samples", "2"]) == 0  # the first two samples only
+    out = capsys.readouterr().out
+    assert "| KVzip | 100.0 | 100.0 [" in out and "ProxyKV / KVzip: 50%" in out
 
 
 def test_texts_from_tasks_keeps_to_the_train_split():

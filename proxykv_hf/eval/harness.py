@@ -5,7 +5,11 @@ Two protocols:
 * ``query-agnostic`` (default; KVzip's and kvpress's protocol): the context alone is prefilled and compressed, then
   the question is asked on the compressed cache. Each method scores a sample's context once (a
   :class:`~proxykv_hf.eval.methods.RecordingCache`); every keep ratio is a compacted copy of that one prefill,
-  which is exactly what a cache with that ratio would hold.
+  which is exactly what a cache with that ratio would hold. With ``batched`` (the default) the methods that read
+  the prefill the same way share one (:func:`~proxykv_hf.eval.methods.prefill_groups`), and the uniform-budget
+  keep ratios of a method are answered as the rows of one batch
+  (:func:`~proxykv_hf.eval.methods.compacted_batch`): the same kept sets, the answers equal up to the order of
+  floating-point sums.
 * ``generate``: the prompt holds context and question and goes through ``model.generate`` with the cache (the
   prompt is scored again for each keep ratio).
 
@@ -33,7 +37,8 @@ from ..selection import BUDGETS, select_topk
 from . import tasks as task_lib
 from ..scorers import registry
 from ..scorers.registry import ScorerContext
-from .methods import RecordingCache, build_method, compacted_copy
+from .methods import (RecordingCache, SharedPrefill, build_method, compacted_batch, compacted_copy, prefill_groups,
+                      row_nbytes)
 from .metrics import score_sample
 
 logger = logging.getLogger(__name__)
@@ -61,6 +66,9 @@ class EvalConfig:
             replace ``tasks`` and ``seed``, and the report names the split. None: the tasks and seed as given.
         budgets: ``"uniform"`` and/or ``"global"`` (``ProxyKVCache(budget=...)``); a method under the global
             budget is reported as ``<method>@global``.
+        batched: query-agnostic protocol: share one prefill among the methods that read it the same way, and
+            answer a method's uniform-budget keep ratios in one batch. False: one prefill per method and one answer
+            per ratio (the same kept sets; answers may differ where floating-point order breaks a near tie).
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "kvzip", "snapkv", "streaming", "random"])
@@ -74,6 +82,7 @@ class EvalConfig:
     out_dir: str = "runs/eval"
     split: str | None = None
     budgets: list[str] = field(default_factory=lambda: ["uniform"])
+    batched: bool = True
 
     def __post_init__(self):
         bad_budgets = [b for b in self.budgets if b not in BUDGETS]
@@ -184,6 +193,13 @@ class Harness:
                                 do_sample=False, pad_token_id=self.tok.pad_token_id)
         return self.tok.decode(ids[0], skip_special_tokens=True), time.perf_counter() - t0
 
+    def _answer_batch(self, cache, ctx, q, rows: int) -> tuple[list[str], float]:
+        t0 = time.perf_counter()
+        ids = answer_from_cache(self.model, cache, ctx.expand(rows, -1), q.expand(rows, -1),
+                                max_new_tokens=self.config.max_new_tokens, do_sample=False,
+                                pad_token_id=self.tok.pad_token_id)
+        return self.tok.batch_decode(ids, skip_special_tokens=True), time.perf_counter() - t0
+
     def _generate(self, cache, ctx, q) -> tuple[str, float]:
         ids = torch.cat([ctx, q], 1)
         t0 = time.perf_counter()
@@ -192,9 +208,12 @@ class Harness:
                                   pad_token_id=self.tok.pad_token_id)
         return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), time.perf_counter() - t0
 
-    def _prefill(self, method: str, ctx: torch.Tensor) -> tuple[ProxyKVCache, float]:
-        scorer = self.scorers[method]
-        cache = RecordingCache(scorer.fresh() if scorer is not None else None)
+    def _prefill(self, methods: list[str], ctx: torch.Tensor) -> tuple[RecordingCache, float]:
+        """One recorded prefill for ``methods`` (a :class:`SharedPrefill` when several score it)."""
+        scorers = {m: self.scorers[m].fresh() for m in methods if self.scorers[m] is not None}
+        scorer = None if not scorers else \
+            next(iter(scorers.values())) if len(scorers) == 1 and len(methods) == 1 else SharedPrefill(scorers)
+        cache = RecordingCache(scorer)
         cache.prepare(self.model, ctx)
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -211,58 +230,125 @@ class Harness:
         units = [(t, n) for t in cfg.tasks for n in cfg.context_lengths]
         total = len(units) * cfg.n_samples * len(cfg.methods)
         bar = tqdm(total=total, desc="eval", unit="run")
+        samples = {(t, n): task_lib.generate(t, cfg.n_samples, n, self.tok, cfg.seed) for t, n in units}
         with self.results_path.open("a") as log:
-            for task, length in units:
-                samples = task_lib.generate(task, cfg.n_samples, length, self.tok, cfg.seed)
-                for idx, sample in enumerate(samples):
-                    self._run_sample(task, length, idx, sample, done, log, bar)
+            for idx in range(cfg.n_samples):  # sample by sample across tasks: a stopped run leaves every task covered
+                for task, length in units:
+                    self._run_sample(task, length, idx, samples[task, length][idx], done, log, bar)
         bar.close()
         from .report import write_report
 
         write_report(self.out)
         return self.out
 
+    def _todo(self, task, length, idx, method, done) -> list[tuple[str, str, float]]:
+        """``(budget, label, keep ratio)`` of ``method`` on this sample not in ``results.jsonl`` yet."""
+        cfg = self.config
+        ratios = [1.0] if method == "full" else cfg.keep_ratios
+        variants = [("uniform", method)] if method == "full" else \
+            [(b, method if b == "uniform" else f"{method}@{b}") for b in cfg.budgets]
+        return [(b, label, r) for b, label in variants for r in ratios if (task, length, idx, label, r) not in done]
+
     def _run_sample(self, task, length, idx, sample, done, log, bar) -> None:
         cfg = self.config
         ctx, q = self._ids(sample)
-        valid = torch.ones(1, ctx.shape[1], dtype=torch.bool)
         oracle_path = self.out / "oracle" / f"{task}-{length}-{idx}.safetensors"
         oracle = _load_scores(oracle_path) if oracle_path.exists() else None
         order = sorted(cfg.methods, key=lambda m: m != "kvzip")  # the oracle first, for fidelity
-        for method in order:
-            ratios = [1.0] if method == "full" else cfg.keep_ratios
-            variants = [("uniform", method)] if method == "full" else \
-                [(b, method if b == "uniform" else f"{method}@{b}") for b in cfg.budgets]
-            todo = [(b, label, r) for b, label in variants for r in ratios
-                    if (task, length, idx, label, r) not in done]
-            bar.update(1)
-            if not todo:
+        shared = cfg.batched and cfg.protocol == "query-agnostic"
+        groups = prefill_groups({m: self.scorers[m] for m in order}) if shared else [[m] for m in order]
+        for group in groups:
+            todo = {m: self._todo(task, length, idx, m, done) for m in group}
+            bar.update(len(group))
+            group = [m for m in group if todo[m]]
+            if not group:
                 continue
-            scorer = self.scorers[method]
-            if cfg.protocol == "query-agnostic":
-                base, t_prefill = self._prefill(method, ctx)
-                scores = {i: s.cpu() for i, s in base.scores.items()}
+            if cfg.protocol != "query-agnostic":
+                for method in group:
+                    self._run_generate(task, length, idx, sample, method, todo[method], ctx, q, log)
+                continue
+            base, t_prefill = self._prefill(group, ctx)
+            for method in group:
+                if isinstance(base.scorer, SharedPrefill):
+                    scorer = base.scorer.members.get(method)
+                    scores = base.scorer.scores.get(method, {})
+                else:
+                    scorer, scores = base.scorer, base.scores
                 if method == "kvzip":
                     oracle = scores
                     _save_scores(oracle_path, scores)  # later runs (other methods) reuse it for fidelity
-            for budget, label, ratio in todo:
-                if cfg.protocol == "query-agnostic":
-                    cache = base if method == "full" else compacted_copy(base, ratio, budget)
-                    pred, t_answer = self._answer(cache, ctx, q)
-                else:
-                    cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio,
-                                         budget=budget)
-                    pred, t_answer = self._generate(cache, ctx, q)
-                    t_prefill = 0.0
-                rec = {"task": task, "context_length": length, "sample": idx, "method": label, "keep_ratio": ratio,
-                       "score": score_sample(sample, pred), "prediction": pred, "answers": sample.answers,
-                       "n_tokens": int(ctx.shape[1]), "kv_bytes": cache.nbytes(), "seed": cfg.seed,
-                       "protocol": cfg.protocol, "prefill_s": round(t_prefill, 4), "answer_s": round(t_answer, 4)}
-                if oracle is not None and cfg.protocol == "query-agnostic" and budget == "uniform":
-                    rec.update(fidelity(scores if method != "full" else {}, oracle, valid, ratio, base.n_sink,
-                                        base.n_recent, self.oracle_sink))
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
+                run = _MethodRun(self, task, length, idx, sample, method, base, scorer, scores, oracle,
+                                 prefill_s=t_prefill, shared=group if len(group) > 1 else None)
+                run.answer(todo[method], ctx, q, log)
+
+    def _run_generate(self, task, length, idx, sample, method, todo, ctx, q, log) -> None:
+        """The ``generate`` protocol: a live cache per keep ratio, the prompt holding context and question."""
+        scorer = self.scorers[method]
+        for budget, label, ratio in todo:
+            cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio, budget=budget)
+            pred, t_answer = self._generate(cache, ctx, q)
+            _write(log, self._record(task, length, idx, sample, label, ratio, pred, ctx, cache.nbytes(),
+                                     prefill_s=0.0, answer_s=t_answer))
+
+    def _record(self, task, length, idx, sample, label, ratio, pred, ctx, kv_bytes, *, prefill_s, answer_s) -> dict:
+        cfg = self.config
+        return {"task": task, "context_length": length, "sample": idx, "method": label, "keep_ratio": ratio,
+                "score": score_sample(sample, pred), "prediction": pred, "answers": sample.answers,
+                "n_tokens": int(ctx.shape[1]), "kv_bytes": kv_bytes, "seed": cfg.seed, "protocol": cfg.protocol,
+                "prefill_s": round(prefill_s, 4), "answer_s": round(answer_s, 4)}
+
+
+def _write(log, rec: dict) -> None:
+    log.write(json.dumps(rec) + "\n")
+    log.flush()
+
+
+@dataclass
+class _MethodRun:
+    """One method's answers on one sample of the query-agnostic protocol, from its recorded prefill."""
+
+    harness: Harness
+    task: str
+    length: int
+    idx: int
+    sample: object
+    method: str
+    base: RecordingCache
+    scorer: object
+    scores: dict
+    oracle: dict | None
+    prefill_s: float
+    shared: list[str] | None
+
+    def answer(self, todo, ctx, q, log) -> None:
+        h, cfg = self.harness, self.harness.config
+        n_sink = max(self.base.n_sink, getattr(self.scorer, "n_sink", 0))
+        n_recent = max(self.base.n_recent, getattr(self.scorer, "n_recent", 0))
+        preds: dict[tuple[str, float], tuple[str, float, int | None, int]] = {}
+        batch = [r for b, _, r in todo if b == "uniform"] if self.method != "full" else []
+        if cfg.batched and len(batch) > 1:
+            cache = compacted_batch(self.base, batch, scorer=self.scorer, scores=self.scores)
+            texts, t = h._answer_batch(cache, ctx, q, len(batch))
+            preds.update({("uniform", r): (text, t / len(batch), len(batch), row_nbytes(cache, j))
+                          for j, (r, text) in enumerate(zip(batch, texts))})
+        valid = torch.ones(1, ctx.shape[1], dtype=torch.bool)
+        for budget, label, ratio in todo:
+            if (budget, ratio) in preds:
+                pred, t_answer, rows, kv_bytes = preds[(budget, ratio)]
+            else:
+                cache = self.base if self.method == "full" else \
+                    compacted_copy(self.base, ratio, budget, scorer=self.scorer, scores=self.scores)
+                (pred, t_answer), rows, kv_bytes = h._answer(cache, ctx, q), None, cache.nbytes()
+            rec = h._record(self.task, self.length, self.idx, self.sample, label, ratio, pred, ctx, kv_bytes,
+                            prefill_s=self.prefill_s, answer_s=t_answer)
+            if rows:
+                rec["answer_batch"] = rows  # answered as one row of a batch; answer_s is the batch's share
+            if self.shared:
+                rec["prefill_shared_with"] = self.shared  # prefill_s is that of the shared prefill
+            if self.oracle is not None and budget == "uniform":
+                rec.update(fidelity(self.scores if self.method != "full" else {}, self.oracle, valid, ratio, n_sink,
+                                    n_recent, h.oracle_sink))
+            _write(log, rec)
 
 
 def run_eval(model, tokenizer, config: EvalConfig, options: ScorerContext | None = None) -> Path:
