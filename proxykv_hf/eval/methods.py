@@ -109,14 +109,14 @@ def prefill_groups(scorers: dict[str, object]) -> list[list[str]]:
     """The methods of ``scorers`` (name -> scorer, None for the full cache) in groups that can share one prefill:
     plain layer scorers without statistics with the full cache, plain layer scorers with statistics together, every
     other method alone. Groups keep the order of ``scorers``."""
-    groups: dict[object, list[str]] = {}
+    groups: dict[tuple, list[str]] = {}
     for name, scorer in scorers.items():
         if scorer is None:
-            key = "plain"
+            key = ("shared", False)
         elif isinstance(scorer, LayerScorer) and not isinstance(scorer, BackgroundScorer):
-            key = "statistics" if scorer.statistics else "plain"
+            key = ("shared", bool(scorer.statistics))
         else:
-            key = name
+            key = ("alone", name)
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 
