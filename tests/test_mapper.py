@@ -113,6 +113,19 @@ def test_windowed_encoder_matches_naive(n, window_batch):
         assert m(torch.rand(1, 2, 2, n)).shape == (1, 4, 2, n)
 
 
+def test_side_by_side_windows_read_each_token_once():
+    """stride == crop_len (how the bundled mapper runs): windows tile the tokens, each read by one window, and only
+    the last window (ending at n) overlaps its neighbour."""
+    m = tiny(crop_len=16, stride=16)
+    assert window_starts(48, 16, 16) == [0, 16, 32] and window_starts(40, 16, 16) == [0, 16, 24]
+    x = torch.rand(2, 2, 48)
+    with torch.no_grad():
+        stem = m.stem(x).transpose(1, 2)
+        want = torch.cat([m.time_encoder(stem[:, s:s + 16]) for s in (0, 16, 32)], dim=1)
+        torch.testing.assert_close(m.encode(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(m.encode(x), naive_windowed(m, x), rtol=1e-5, atol=1e-5)
+
+
 def test_windowed_encoder_backward():
     m = tiny(crop_len=16, stride=8).train()
     m(torch.rand(2, 2, 2, 37)).square().mean().backward()
