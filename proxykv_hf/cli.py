@@ -46,6 +46,9 @@ def _pool_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-kernel", type=int, default=None,
                    help="ProxyKV: average-pool the mapper's scores over this many tokens before the Top-K (odd; "
                         "default: the checkpoint's pool_kernel)")
+    p.add_argument("--layer-mix", type=float, default=None,
+                   help="ProxyKV: add this many times the mean of the earlier layers' standardised scores to each "
+                        "layer's (0 = off; default: the checkpoint's layer_mix)")
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -57,7 +60,7 @@ def cmd_generate(ns) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         mapper = mapper_for(ns, model, tmp) if ns.method == "proxykv" else None
         scorer = registry.build(ns.method, ScorerContext(model=model, tokenizer=tok, mapper=mapper,
-                                                         pool_kernel=ns.pool_kernel))
+                                                         pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix))
         pipe = ProxyKVPipeline(model, tok, scorer, keep_ratio=1.0 if scorer is None else ns.keep_ratio)
         prompt = Path(ns.prompt_file).read_text() if ns.prompt_file else ns.prompt
         if prompt is None:
@@ -80,7 +83,8 @@ def cmd_eval(ns) -> int:
     cfg = from_args(EvalConfig, ns)
     with tempfile.TemporaryDirectory() as tmp:
         options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model, tmp), seed=ns.seed,
-                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel, global_norm=ns.global_norm)
+                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix,
+                                global_norm=ns.global_norm)
         out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
@@ -141,6 +145,17 @@ def cmd_train(ns) -> int:
     mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, **_mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
+    return 0
+
+
+def cmd_refit_direct(ns) -> int:
+    from .train.direct_fit import DirectFitConfig, refit_direct_path
+    from .train.losses import LossConfig
+
+    cfg = from_args(DirectFitConfig, ns, loss=LossConfig(**_overrides(LossConfig, ns.loss, "--loss")))
+    ckpt = refit_direct_path(ns.mapper, ns.data, ns.out, cfg)
+    print(json.dumps({"direct_refit": {k: v for k, v in ckpt.training["direct_refit"].items() if k != "config"},
+                      "metrics": ckpt.metrics}, indent=2))
     return 0
 
 
@@ -272,6 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="override LossConfig fields (default: the paper's), e.g. lambda_list=5 list_ratio=0.1")
     p.set_defaults(fn=cmd_train)
+
+    from .train.direct_fit import DirectFitConfig
+
+    p = sub.add_parser("refit-direct", help="refit a trained mapper's direct path, the rest frozen, every layer a step")
+    add_dataclass_args(p, DirectFitConfig, skip=("loss",))
+    p.add_argument("--mapper", required=True, help="the trained mapper (directory or Hub id), direct_path on")
+    p.add_argument("--data", required=True, help="a dataset directory from build-data for its proxy and target")
+    p.add_argument("--out", required=True, help="directory for the refitted checkpoint and refit_log.jsonl")
+    p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE", help="override LossConfig fields")
+    p.set_defaults(fn=cmd_refit_direct)
 
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
     _common(p)

@@ -47,7 +47,8 @@ def run_demo(ns) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         mapper = mapper_for(ns, model, tmp)
-        options = ScorerContext(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel)
+        options = ScorerContext(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel,
+                                layer_mix=ns.layer_mix)
         methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
         if len(methods) < len(ns.methods):
             print("no mapper checkpoint found: skipping proxykv (pass --mapper)")

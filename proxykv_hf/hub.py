@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .mapper import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec
-from .selection import check_kernel_size
+from .selection import check_kernel_size, check_layer_mix
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,10 @@ class Checkpoint:
             tokens around it where that is higher (odd; 1 = off, the paper's selection;
             :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``). A scoring setting, not a weight: chosen
             after training and stored with the mapper so that every user of the checkpoint selects the same way.
+        layer_mix: before the Top-K, each layer's scores (standardised per head over the real tokens) get
+            ``layer_mix`` times the mean of the standardised scores of that layer and every earlier one added: a
+            token that the earlier layers rank high is kept more often in the later ones too. 0 = off (the paper's
+            selection). A scoring setting like ``pool_kernel``.
     """
 
     mapper: HybridAxialMapper
@@ -72,9 +76,11 @@ class Checkpoint:
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
     pool_kernel: int = 1
+    layer_mix: float = 0.0
 
     def __post_init__(self) -> None:
         check_kernel_size(self.pool_kernel, "pool_kernel")
+        check_layer_mix(self.layer_mix)
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
         want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
@@ -113,6 +119,7 @@ def _card(ckpt: Checkpoint) -> str:
         f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,} |",
         f"| score pooling (`pool_kernel`) | {ckpt.pool_kernel} (1 = off) |",
+        f"| mixing with earlier layers (`layer_mix`) | {ckpt.layer_mix:g} (0 = off) |",
     ]
     for key, value in sorted(ckpt.training.items()):
         lines.append(f"| training {key} | {value} |")
@@ -132,6 +139,7 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
         "target": ckpt.target.to_dict(),
         "pairing": ckpt.mapper.pairing(),
         "pool_kernel": ckpt.pool_kernel,
+        "layer_mix": ckpt.layer_mix,
         "training": ckpt.training,
         "metrics": ckpt.metrics,
     }
@@ -181,7 +189,8 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     mapper.to(map_location).eval()
     return Checkpoint(mapper=mapper, proxy=ProxySpec.from_dict(config["proxy"]),
                       target=TargetSpec(**config["target"]), training=config.get("training", {}),
-                      metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1))
+                      metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1),
+                      layer_mix=float(config.get("layer_mix", 0.0)))
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

@@ -179,6 +179,14 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--loss"):
         main(["train", "--data", str(data), "--out", str(tmp_path / "y"), "--preset", "tiny",
               "--loss", "lambda_listy=2"])
+    capsys.readouterr()
+    main(["refit-direct", "--mapper", str(tmp_path / "list"), "--data", str(data), "--out", str(tmp_path / "refit"),
+          "--epochs", "2", "--val-fraction", "0.5", "--no-progress", "--loss", "lambda_fine=0"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["direct_refit"]["train_crops"] > 0 and "loss" in printed["metrics"]
+    saved = json.loads((tmp_path / "refit" / "proxykv_config.json").read_text())
+    assert saved["training"]["direct_refit"]["config"]["loss"]["lambda_fine"] == 0.0
+    assert ProxyKVCache.from_pretrained(tmp_path / "refit", keep_ratio=0.5).scorer.mapper.config.direct_path
 
 
 

@@ -103,6 +103,44 @@ def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, tar
         Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, pool_kernel=0)
 
 
+@pytest.mark.parametrize("kind", ["layers", "self"])
+def test_layer_mix_selects_the_topk_of_the_mixed_mapper_scores(tmp_path, target, kind):
+    """A checkpoint's layer_mix adds the running mean of the earlier layers' standardised scores before the Top-K,
+    for a background proxy and for the self proxy (scored layer by layer); from_pretrained can override it, and a
+    second prompt on a fresh cache starts the mean anew."""
+    from proxykv_hf.selection import LayerMixer, select_topk
+
+    _, ckpt = make_checkpoint(tmp_path, kind)
+    ckpt.layer_mix = 1.5
+    path = save_checkpoint(ckpt, tmp_path / "mixed")
+    assert load_checkpoint(path).layer_mix == 1.5
+    assert "`layer_mix`) | 1.5" in (path / "README.md").read_text()
+    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
+    valid = inputs["attention_mask"].bool()
+    x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers,
+                       statistics=ckpt.proxy.statistics)
+    scores = ckpt.mapper(x, attention_mask=inputs["attention_mask"])
+    kept = {}
+    template = None
+    for mix in (None, 0.0):
+        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, layer_mix=mix)
+        template = template or cache
+        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        kept[mix] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
+        mixer = LayerMixer(1.5 if mix is None else mix)
+        for layer in range(TARGET_LAYERS):
+            idx, _ = select_topk(mixer(scores[:, layer], valid), 0.5, valid, n_sink=4)
+            assert torch.equal(idx, kept[mix][layer]), (mix, layer)
+    assert any(not torch.equal(a, b) for a, b in zip(kept[None], kept[0.0]))  # mixing changed what is kept
+    again = template.fresh()
+    target.generate(**inputs, past_key_values=again, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert all(torch.equal(again.layers[i].kept_positions, kept[None][i]) for i in range(TARGET_LAYERS))
+    with pytest.raises(ValueError, match="layer_mix must be a finite number >= 0"):
+        ProxyKVCache.from_pretrained(path, layer_mix=-1.0)
+    with pytest.raises(ValueError, match="layer_mix must be a finite number >= 0"):
+        Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, layer_mix=float("nan"))
+
+
 def test_checkpoint_round_trip(tmp_path):
     path, ckpt = make_checkpoint(tmp_path, "layers")
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "model.safetensors", "proxykv_config.json"]
@@ -115,6 +153,7 @@ def test_checkpoint_round_trip(tmp_path):
     assert "pool_kernel" not in config
     (path / "proxykv_config.json").write_text(config)
     assert load_checkpoint(path).pool_kernel == 1
+    assert load_checkpoint(path).layer_mix == 0.0  # likewise for configs written before layer_mix existed
     assert "tiny-llama" in (path / "README.md").read_text()
 
 

@@ -341,6 +341,44 @@ def test_init_from_may_switch_on_the_direct_path(self_data, tmp_path):
         train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, init_from=str(tmp_path / "b")))
 
 
+def test_refit_direct_path_moves_only_the_direct_path_and_keeps_the_best_epoch(self_data, tmp_path):
+    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
+    from proxykv_hf.train.evaluate import evaluate_mapper
+
+    trained = train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
+                           fast_train(max_steps=2))
+    cfg = DirectFitConfig(epochs=4, lr=5e-2, val_fraction=0.3, progress=False)
+    refit = refit_direct_path(tmp_path / "a", self_data, tmp_path / "r", cfg)
+    before = dict(trained.mapper.named_parameters())
+    moved = False
+    for name, p in refit.mapper.named_parameters():
+        if name.startswith("direct."):
+            moved |= not torch.equal(p, before[name])
+        else:
+            torch.testing.assert_close(p, before[name], msg=name)
+    info = refit.training["direct_refit"]
+    log = [json.loads(line) for line in (tmp_path / "r" / "refit_log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == list(range(5)) and 0 <= info["best_epoch"] <= 4
+    best = min(log, key=lambda r: r["val_loss"])
+    assert info["best_epoch"] == best["epoch"] and moved == (best["epoch"] > 0)
+    assert info["val_loss_after"] <= info["val_loss_before"]
+    # the cached path computes what the mapper computes: the kept epoch's metrics equal a fresh evaluation
+    _, val_set = split_dataset(MapperDataset(self_data), 0.3, 0)
+    fresh = evaluate_mapper(refit.mapper, val_set, cfg.eval_ratios, cfg.loss, batch_size=cfg.batch_size)
+    assert fresh["loss"] == pytest.approx(info["val_loss_after"], rel=1e-4)
+    assert refit.training["steps"] == trained.training["steps"]  # the training record is kept, the refit added
+
+
+def test_refit_direct_path_rejects_a_mapper_without_one(self_data, tmp_path):
+    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
+
+    train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny"), fast_train(max_steps=1))
+    with pytest.raises(ValueError, match="no direct path"):
+        refit_direct_path(tmp_path / "a", self_data, tmp_path / "r", DirectFitConfig(epochs=1, progress=False))
+    with pytest.raises(ValueError, match="lr"):
+        DirectFitConfig(lr=0.0)
+
+
 def test_direct_path_lr_mult_sets_its_own_param_group(self_data, tmp_path):
     from proxykv_hf.train.loop import param_groups
 

@@ -31,7 +31,8 @@ def _scorers(ns, model, tok, tmp: str):
         raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
     proxy = getattr(ns, "_proxy_model", None)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
-                            proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None))
+                            proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None),
+                            layer_mix=getattr(ns, "layer_mix", None))
     scorers = {method: registry.build(method, context) for method in names}
     runner = scorers.get("proxykv")
     if isinstance(runner, ProxyScorer):

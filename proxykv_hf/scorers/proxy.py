@@ -10,7 +10,7 @@ import torch
 
 from ..proxy import decoder_of, proxy_features
 from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
-from ..selection import check_kernel_size, smooth_scores
+from ..selection import LayerMixer, check_kernel_size, check_layer_mix, smooth_scores
 from .base import BackgroundScorer, LayerInputs, Prompt
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,9 @@ class ProxyScorer(BackgroundScorer):
         pool_kernel: before the Top-K, lift each score to the mean of the ``pool_kernel`` tokens around it where that
             is higher (odd; 1 = off; :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``); None: the
             checkpoint's ``pool_kernel``.
+        layer_mix: add this many times the mean of the standardised scores of the layers scored so far to each
+            layer's standardised scores (:class:`~proxykv_hf.selection.LayerMixer`; 0 = off); None: the
+            checkpoint's ``layer_mix``. Applied after the pooling.
         global_norm: how the mapper's scores are made comparable across layers and heads under the global budget:
             ``"none"`` (the logits as they are: the magnitude head is trained on KVzip's raw scores) or
             ``"layer"`` (standardised per layer and row over its heads' real tokens).
@@ -53,7 +56,8 @@ class ProxyScorer(BackgroundScorer):
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
                  n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
-                 pool_kernel: int | None = None, global_norm: str = "none", fused: FusedStatistics | None = None):
+                 pool_kernel: int | None = None, layer_mix: float | None = None, global_norm: str = "none",
+                 fused: FusedStatistics | None = None):
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -72,6 +76,8 @@ class ProxyScorer(BackgroundScorer):
         self.overlap = overlap
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
                                                                                                 "pool_kernel")
+        self.layer_mix = checkpoint.layer_mix if layer_mix is None else check_layer_mix(layer_mix)
+        self._mixer = LayerMixer(self.layer_mix)
         self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
@@ -114,6 +120,7 @@ class ProxyScorer(BackgroundScorer):
     def fresh(self) -> "ProxyScorer":
         clone = copy.copy(self)
         clone._scores, clone._event, clone._thread, clone._error = None, None, None, None
+        clone._mixer = LayerMixer(self.layer_mix)
         return clone
 
     def _check(self, prompt: Prompt) -> None:
@@ -130,6 +137,7 @@ class ProxyScorer(BackgroundScorer):
     def prepare(self, prompt: Prompt) -> None:
         self._check(prompt)
         self._scores, self._event, self._thread, self._error = None, None, None, None
+        self._mixer.reset()
         if self.spec.kind == "self":
             return
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
@@ -222,7 +230,8 @@ class ProxyScorer(BackgroundScorer):
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        return smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel, keep_peaks=True)
+        scores = smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel, keep_peaks=True)
+        return self._mixer(scores, inputs.valid)  # layers come in order, one prefill at a time
 
     def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device

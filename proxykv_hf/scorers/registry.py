@@ -43,6 +43,8 @@ class ScorerContext:
         kvzip_chunk: KVzip's reconstruction chunk size.
         pool_kernel: ProxyKV's score pooling (see :class:`~proxykv_hf.scorers.proxy.ProxyScorer`); None: the
             checkpoint's.
+        layer_mix: ProxyKV's mixing of each layer's scores with the earlier layers' (``ProxyScorer``); None: the
+            checkpoint's.
         global_norm: how ProxyKV's scores are compared across layers under the global budget (``ProxyScorer``).
         extra: anything a registered third-party builder wants.
     """
@@ -57,6 +59,7 @@ class ScorerContext:
     seed: int = 0
     kvzip_chunk: int = 2048
     pool_kernel: int | None = None
+    layer_mix: float | None = None
     global_norm: str = "none"
     extra: dict = field(default_factory=dict)
 
@@ -168,7 +171,8 @@ def _proxykv(ctx: ScorerContext) -> Scorer:
     if ctx.mapper is None:
         raise ValueError("method 'proxykv' needs a mapper checkpoint (--mapper)")
     return ProxyScorer.from_pretrained(ctx.mapper, proxy=ctx.proxy, proxy_device=ctx.proxy_device,
-                                       pool_kernel=ctx.pool_kernel, global_norm=ctx.global_norm)
+                                       pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix,
+                                       global_norm=ctx.global_norm)
 
 
 def _statistic(name: str) -> Callable[[ScorerContext], Scorer]:

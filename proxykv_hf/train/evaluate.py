@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -31,11 +31,32 @@ def evaluate_mapper(mapper: torch.nn.Module, dataset: Dataset, ratios: Sequence[
     """
     if len(dataset) == 0:
         return {}
-    cfg = loss_config or LossConfig()
     device = torch.device(device) if device is not None else next(mapper.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)  # pair sampling: same pairs every evaluation
     was_training = mapper.training
     mapper.eval()
+
+    def batches():
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
+        for batch in loader:
+            x, y, mask = (batch[k].to(device) for k in ("x", "y", "mask"))
+            yield mapper(x, attention_mask=mask.long()).float(), y, mask  # (B, L_l, H_l, C)
+
+    try:
+        out = logit_metrics(batches(), ratios, loss_config, device=device, seed=seed)
+    finally:
+        mapper.train(was_training)
+    out["crops"] = len(dataset)
+    return out
+
+
+@torch.no_grad()
+def logit_metrics(batches: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  ratios: Sequence[float] = (0.1, 0.3, 0.5), loss_config: LossConfig | None = None, *,
+                  device=None, seed: int = 0) -> dict[str, float]:
+    """The metrics of :func:`evaluate_mapper` (without ``"crops"``) from batches of ``(logits, y, mask)``: logits
+    and oracle scores ``(B, L_l, H_l, C)``, mask ``(B, C)``."""
+    cfg = loss_config or LossConfig()
+    gen = None
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
 
@@ -43,12 +64,11 @@ def evaluate_mapper(mapper: torch.nn.Module, dataset: Dataset, ratios: Sequence[
         sums[name] = sums.get(name, 0.0) + total
         counts[name] = counts.get(name, 0.0) + n
 
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    for batch in loader:
-        x, y, mask = (batch[k].to(device) for k in ("x", "y", "mask"))
-        logits = mapper(x, attention_mask=mask.long()).float()  # (B, L_l, H_l, C)
+    for logits, y, mask in batches:
+        if gen is None:  # pair sampling: the same pairs at every evaluation
+            gen = torch.Generator(device=device if device is not None else logits.device).manual_seed(seed)
         total, terms = hybrid_loss(logits, y, mask, cfg, generator=gen)
-        b = x.shape[0]
+        b = logits.shape[0]
         add("loss", float(total) * b, b)
         for name in TERMS:
             add(f"loss_{name}", float(terms[name]) * b, b)
@@ -57,10 +77,7 @@ def evaluate_mapper(mapper: torch.nn.Module, dataset: Dataset, ratios: Sequence[
                 v = fn(logits, y, r, mask, reduction="none")  # (B, L_l, H_l)
                 ok = torch.isfinite(v)
                 add(f"{name}@{r:g}", float(v[ok].sum()), float(ok.sum()))
-    mapper.train(was_training)
-    out = {k: (sums[k] / counts[k] if counts[k] else float("nan")) for k in sums}
-    out["crops"] = len(dataset)
-    return out
+    return {k: (sums[k] / counts[k] if counts[k] else float("nan")) for k in sums}
 
 
 def plot_training(log_path: str | os.PathLike, out_path: str | os.PathLike) -> Path | None:
