@@ -80,7 +80,7 @@ class Checkpoint:
 
     def __post_init__(self) -> None:
         check_kernel_size(self.pool_kernel, "pool_kernel")
-        check_layer_mix(self.layer_mix)
+        self.layer_mix = check_layer_mix(self.layer_mix)
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
         want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
@@ -190,7 +190,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     return Checkpoint(mapper=mapper, proxy=ProxySpec.from_dict(config["proxy"]),
                       target=TargetSpec(**config["target"]), training=config.get("training", {}),
                       metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1),
-                      layer_mix=float(config.get("layer_mix", 0.0)))
+                      layer_mix=config.get("layer_mix", 0.0))
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

@@ -68,21 +68,23 @@ def check_layer_mix(weight: object, name: str = "layer_mix") -> float:
     return float(weight)
 
 
-def _moments(scores: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean and standard deviation `(B, H, 1)` of `(B, H, T)` scores over the real tokens, and the `(B, H, T)`
-    real-token mask."""
+def masked_moments(scores: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...] = (-1,)
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mean and standard deviation (at least 1e-6) of `(B, H, T)` scores over the real tokens of ``valid`` `(B, T)`
+    along ``dims`` (kept as size 1: per row and head by default, ``(1, 2)`` per row), and the `(B, H, T)` real-token
+    mask."""
     real = valid.to(scores.device)[:, None, :].expand_as(scores)
-    n = real.sum(-1, keepdim=True).clamp_min(1)
+    n = real.sum(dims, keepdim=True).clamp_min(1)
     s = scores.float().masked_fill(~real, 0.0)
-    mean = s.sum(-1, keepdim=True) / n
-    var = ((s - mean) ** 2).masked_fill(~real, 0.0).sum(-1, keepdim=True) / n
+    mean = s.sum(dims, keepdim=True) / n
+    var = ((s - mean) ** 2).masked_fill(~real, 0.0).sum(dims, keepdim=True) / n
     return mean, var.sqrt().clamp_min(1e-6), real
 
 
 def standardise(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """`(B, H, T)` scores shifted and scaled to mean 0 and standard deviation 1 per row and head over the real
     tokens of ``valid`` `(B, T)`; padding positions get 0."""
-    mean, std, real = _moments(scores, valid)
+    mean, std, real = masked_moments(scores, valid)
     return ((scores.float() - mean) / std).masked_fill(~real, 0.0)
 
 
@@ -110,7 +112,7 @@ class LayerMixer:
     def __call__(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         if self.weight == 0:
             return scores
-        mean, std, real = _moments(scores, valid)
+        mean, std, real = masked_moments(scores, valid)
         z = ((scores.float() - mean) / std).masked_fill(~real, 0.0)
         layer = z.mean(1, keepdim=True)  # (B, 1, T)
         if self._sum is not None and self._sum.shape != layer.shape:

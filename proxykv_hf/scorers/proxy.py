@@ -10,7 +10,7 @@ import torch
 
 from ..proxy import decoder_of, proxy_features
 from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
-from ..selection import LayerMixer, check_kernel_size, check_layer_mix, smooth_scores
+from ..selection import LayerMixer, check_kernel_size, check_layer_mix, masked_moments, smooth_scores
 from .base import BackgroundScorer, LayerInputs, Prompt
 
 logger = logging.getLogger(__name__)
@@ -204,11 +204,8 @@ class ProxyScorer(BackgroundScorer):
             return scores
         out = {}
         for i, s in scores.items():
-            s, real = s.float(), valid[:, None, :].expand_as(s)
-            n = real.sum((1, 2), keepdim=True).clamp_min(1)
-            mean = s.masked_fill(~real, 0.0).sum((1, 2), keepdim=True) / n
-            var = ((s - mean) ** 2).masked_fill(~real, 0.0).sum((1, 2), keepdim=True) / n
-            out[i] = (s - mean) / var.sqrt().clamp_min(1e-6)
+            mean, std, _ = masked_moments(s, valid, (1, 2))
+            out[i] = (s.float() - mean) / std
         return out
 
     def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
