@@ -67,7 +67,10 @@ class MapperConfig:
     length-dependent shift of the attention sums does not move it). It gives each target layer its own weights
     on the proxy heads of its paired layer, which the shared stem, encoder and head stage do not, and passes a
     one-token spike through unsmoothed. ``W`` and ``b`` start at zero, so the path is a no-op at initialisation
-    and a trained mapper can be fine-tuned with it (``docs/training.md``).
+    and a trained mapper can be fine-tuned with it (``docs/training.md``). ``direct_context = c`` (0 by default;
+    needs ``direct_path``) lets the direct path of a target layer also read the features of the ``c`` proxy layers
+    before its paired one (zeros where there are none), so that a layer can keep what the layers just before it
+    single out; its weights are ``W[l, h, (j, s)]`` for ``j = 0..c`` layers back.
 
     Also beyond the paper: ``num_statistics`` feature rows per proxy head (``ProxySpec.statistics``): 1 reads the
     paper's attention sums, 2 the sums and the per-key maximum attention (``proxykv_hf.scoring``). The features
@@ -94,13 +97,15 @@ class MapperConfig:
     head_stage: bool = True
     layer_embedding: bool = False
     direct_path: bool = False
+    direct_context: int = 0
     num_statistics: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{f.name} must be a positive int, got {value!r}")
+            least = 0 if f.name == "direct_context" else 1
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{f.name} must be {'a positive int' if least else 'an int >= 0'}, got {value!r}")
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be a bool, got {value!r}")
         if self.d_time % self.num_encoder_heads:
@@ -117,6 +122,11 @@ class MapperConfig:
                              f"commas ({self.num_statistics} statistics), got {self.input_transform!r}")
         if self.time_encoder not in TIME_ENCODERS:
             raise ValueError(f"time_encoder must be one of {TIME_ENCODERS}, got {self.time_encoder!r}")
+        if self.direct_context and not self.direct_path:
+            raise ValueError(f"direct_context {self.direct_context} needs direct_path=True")
+        if self.direct_context >= self.num_proxy_layers:
+            raise ValueError(f"direct_context must be below num_proxy_layers ({self.num_proxy_layers}), got "
+                             f"{self.direct_context}")
 
     @classmethod
     def paper(cls, **kwargs: Any) -> MapperConfig:
@@ -146,6 +156,11 @@ class MapperConfig:
         """0-based proxy layer read by each target layer: ``ceil(l * L_s / L_l) - 1`` for 1-based ``l``."""
         return [-(-(l * self.num_proxy_layers) // self.num_target_layers) - 1
                 for l in range(1, self.num_target_layers + 1)]
+
+    def direct_sources(self) -> list[list[int]]:
+        """Per target layer, the proxy layers its direct path reads: the paired one, then up to
+        ``direct_context`` before it, most recent first (-1 where the proxy has no such layer: zero features)."""
+        return [[p - j if p - j >= 0 else -1 for j in range(self.direct_context + 1)] for p in self.pairing()]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable field dict."""
@@ -252,13 +267,16 @@ class HybridAxialMapper(nn.Module):
         return out if self.config.head_stage else out.transpose(1, 2)  # (B, H_l, N)
 
     def forward_layer(self, x_layer: Tensor, target_layer_idx: int,
-                      attention_mask: Tensor | None = None) -> Tensor:
+                      attention_mask: Tensor | None = None, earlier: list[Tensor] | None = None) -> Tensor:
         """Scores for one target layer from its paired proxy layer's features.
 
         Args:
             x_layer: ``(B, H_s, N)`` features of proxy layer ``pairing()[target_layer_idx]``.
             target_layer_idx: 0-based target layer.
             attention_mask: ``(B, N)``, 1 for real tokens, 0 for padding.
+            earlier: with ``direct_context = c > 0``, the ``(B, H_s, N)`` features of the proxy layers before the
+                paired one, most recent first: ``min(c, paired layer)`` of them (the layers
+                :meth:`MapperConfig.direct_sources` names).
 
         Returns:
             ``(B, H_l, N)`` logits, higher means keep.
@@ -267,13 +285,29 @@ class HybridAxialMapper(nn.Module):
             raise ValueError(f"target_layer_idx must be in [0, {self.config.num_target_layers}), "
                              f"got {target_layer_idx}")
         self._check(x_layer, 3, attention_mask)
+        sources = self.config.direct_sources()[target_layer_idx]
+        want = sum(p >= 0 for p in sources[1:])
+        earlier = list(earlier or [])
+        if len(earlier) != want:
+            raise ValueError(f"target layer {target_layer_idx} reads {want} earlier proxy layers through its direct "
+                             f"path (direct_context {self.config.direct_context}), got {len(earlier)}")
+        for e in earlier:
+            self._check(e, 3, attention_mask)
         out = self._head(self.encode(x_layer, attention_mask), target_layer_idx)
         if self.direct is None:
             return out
-        return out + self.direct(self._direct_features(x_layer, attention_mask), target_layer_idx)
+        feats = [self._direct_features(f, attention_mask) for f in (x_layer, *earlier)]
+        return out + self.direct(self._direct_inputs(feats), target_layer_idx)
 
     def _direct_features(self, x_layer: Tensor, attention_mask: Tensor | None) -> Tensor:
         return self.direct.features(x_layer, None if attention_mask is None else attention_mask.bool())
+
+    def _direct_inputs(self, feats: list[Tensor]) -> Tensor:
+        """The direct features of the paired layer and the earlier ones (most recent first) -> the direct path's
+        input ``(B, (1 + direct_context) * F, N)``, zeros for layers the proxy does not have."""
+        missing = self.config.direct_context + 1 - len(feats)
+        return torch.cat([*feats, *[torch.zeros_like(feats[0])] * missing], dim=1) if missing or len(feats) > 1 \
+            else feats[0]
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None,
                 target_layers: list[int] | None = None) -> Tensor:
@@ -309,7 +343,10 @@ class HybridAxialMapper(nn.Module):
             zs = self.encode(x[:, ps].transpose(0, 1).flatten(0, 1), mask).view(len(ps), b, x.shape[-1], -1)
             for p, z in zip(ps, zs):  # z: (B, N, d_time)
                 shared = None if self.layer_embedding is not None else self._head(z, 0)
-                f = None if self.direct is None else self._direct_features(x[:, p], attention_mask)
+                f = None
+                if self.direct is not None:  # this proxy layer's direct features, then those of the earlier ones
+                    back = [q for q in range(p, p - self.config.direct_context - 1, -1) if q >= 0]
+                    f = self._direct_inputs([self._direct_features(x[:, q], attention_mask) for q in back])
                 for l in (l for l in dict.fromkeys(wanted) if pairs[l] == p):
                     scores[l] = self._head(z, l) if shared is None else shared
                     if f is not None:

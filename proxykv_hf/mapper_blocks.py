@@ -166,13 +166,14 @@ class HeadStage(nn.Module):
 
 class DirectPath(nn.Module):
     """Beyond the paper (``MapperConfig.direct_path``): per (target layer, KV head) a linear combination of the
-    paired proxy layer's transformed, row-centred features, added to the stage-3 logits. Zero-initialised."""
+    paired proxy layer's transformed, row-centred features (and, with ``direct_context``, those of the proxy layers
+    just before it), added to the stage-3 logits. Zero-initialised."""
 
     def __init__(self, config: MapperConfig) -> None:
         super().__init__()
         self.transform = config.input_transform
         self.weight = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads,
-                                               config.num_features))
+                                               (1 + config.direct_context) * config.num_features))
         self.bias = nn.Parameter(torch.zeros(config.num_target_layers, config.num_target_heads))
 
     def features(self, x_layer: Tensor, valid: Tensor | None = None) -> Tensor:
@@ -184,6 +185,7 @@ class DirectPath(nn.Module):
         return (f - mean) * keep
 
     def forward(self, features: Tensor, target_layer_idx: int) -> Tensor:
-        """:meth:`features` of the paired proxy layer -> ``(B, H_l, N)`` logits of one target layer."""
+        """:meth:`features` of the paired proxy layer (then of the ``direct_context`` layers before it, most recent
+        first, concatenated along the rows) -> ``(B, H_l, N)`` logits of one target layer."""
         out = torch.einsum("hs,bsn->bhn", self.weight[target_layer_idx], features)  # (B, H_l, N)
         return out + self.bias[target_layer_idx][None, :, None]

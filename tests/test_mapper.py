@@ -336,6 +336,38 @@ def test_direct_path_adds_a_per_layer_head_combination():
     assert int(out[0, 3, 1].argmax()) == 17
 
 
+def test_direct_context_reads_the_layers_before_the_paired_one():
+    """direct_context=c: target layer l's direct path also reads the c proxy layers before its paired one (zeros
+    before the first), in forward (all layers) and forward_layer (given those layers' features) alike."""
+    cfg = dict(num_proxy_layers=4, num_target_layers=4, direct_path=True)
+    assert MapperConfig.tiny(**cfg, direct_context=2).direct_sources() == [[0, -1, -1], [1, 0, -1], [2, 1, 0],
+                                                                           [3, 2, 1]]
+    base, m = tiny(**cfg), tiny(**cfg, direct_context=2)
+    assert m.direct.weight.shape == (4, 2, 3 * 2)
+    m.load_state_dict({k: v for k, v in base.state_dict().items() if k != "direct.weight"}, strict=False)
+    x = torch.rand(1, 4, 2, 40)
+    torch.testing.assert_close(m(x), base(x))  # context weights at zero: the mapper without context
+    with torch.no_grad():
+        m.direct.weight[3, 1, 2 + 0] = 2.0  # target layer 3, KV head 1: proxy layer 2 (one back), head 0
+        m.direct.weight[1, 0, 4 + 1] = 5.0  # target layer 1, head 0: two back is before layer 0, reads zeros
+    x[0, 2, 0, 17] = 50.0
+    out, ref = m(x), base(x)
+    f = torch.log1p(x[0, 2, 0])
+    torch.testing.assert_close(out[0, 3, 1] - ref[0, 3, 1], 2.0 * (f - f.mean()))
+    torch.testing.assert_close(out[:, :3], ref[:, :3])
+    for l in range(4):
+        earlier = [x[:, q] for q in range(l - 1, max(l - 3, -1), -1)]
+        torch.testing.assert_close(m.forward_layer(x[:, l], l, earlier=earlier), out[:, l])
+    with pytest.raises(ValueError, match="reads 2 earlier proxy layers"):
+        m.forward_layer(x[:, 3], 3, earlier=[x[:, 2]])
+    with pytest.raises(ValueError, match="needs direct_path=True"):
+        MapperConfig.tiny(direct_context=1)
+    with pytest.raises(ValueError, match="direct_context must be an int >= 0"):
+        MapperConfig.tiny(direct_path=True, direct_context=-1)
+    with pytest.raises(ValueError, match="below num_proxy_layers"):
+        MapperConfig.tiny(direct_path=True, direct_context=2)  # the tiny preset's proxy has 2 layers
+
+
 def test_direct_path_ignores_padding():
     m = tiny(direct_path=True)
     with torch.no_grad():

@@ -141,6 +141,62 @@ def test_layer_mix_selects_the_topk_of_the_mixed_mapper_scores(tmp_path, target,
         Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, layer_mix=float("nan"))
 
 
+@pytest.mark.parametrize("kind", ["layers", "self"])
+def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, kind):
+    """A mapper whose direct path reads earlier proxy layers (direct_context) keeps the Top-K of the scores its
+    all-layer forward gives, also for the self proxy, which hands it its layers one at a time; a fresh cache on a
+    second prompt starts anew."""
+    from proxykv_hf.selection import select_topk
+
+    _, ckpt = make_checkpoint(tmp_path, kind)
+    cfg = ckpt.mapper.config
+    torch.manual_seed(1)
+    wide = HybridAxialMapper(MapperConfig.from_dict({**cfg.to_dict(), "direct_path": True,
+                                                     "direct_context": 1})).eval()
+    with torch.no_grad():
+        wide.direct.weight.normal_(std=3.0)
+    ckpt.mapper = wide
+    path = save_checkpoint(ckpt, tmp_path / "context")
+    assert load_checkpoint(path).mapper.config.direct_context == 1
+    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5)
+    for seed in (0, 1):
+        inputs = random_prompt(2, 40, lengths=[40, 31], seed=seed)
+        valid = inputs["attention_mask"].bool()
+        x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers,
+                           statistics=ckpt.proxy.statistics)
+        scores = wide(x, attention_mask=inputs["attention_mask"])
+        cache = cache.fresh()
+        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for layer in range(TARGET_LAYERS):
+            idx, _ = select_topk(scores[:, layer], 0.5, valid, n_sink=4)
+            assert torch.equal(idx, cache.layers[layer].kept_positions), (seed, layer)
+
+
+def test_global_norm_layer_standardises_each_layer_over_its_real_tokens(tmp_path):
+    """``global_norm="layer"`` puts every layer's scores on one scale (mean 0, spread 1 over all its heads' real
+    tokens, per row) before the global ranking; ``"none"`` passes them through; padding does not move the moments;
+    another value is refused."""
+    from proxykv_hf.scorers.proxy import ProxyScorer
+
+    _, ckpt = make_checkpoint(tmp_path, "self")
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, :5] = False  # left padding
+    gen = torch.Generator().manual_seed(0)
+    scores = {0: torch.randn(2, 2, 12, generator=gen) * 7 + 3, 1: torch.randn(2, 2, 12, generator=gen) * 0.1 - 9}
+    scores[1][1, :, :5] = 1e6  # what padding holds must not matter
+    assert ProxyScorer(ckpt).global_scores(scores, valid) is scores
+    normed = ProxyScorer(ckpt, global_norm="layer").global_scores(scores, valid)
+    for i, s in normed.items():
+        for b in range(2):
+            real = s[b][:, valid[b]]
+            assert abs(real.mean().item()) < 1e-4, (i, b)
+            assert real.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-3), (i, b)
+            ranks = scores[i][b][:, valid[b]].flatten().argsort()
+            assert torch.equal(real.flatten().argsort(), ranks)  # an affine map per (layer, row): order kept
+    with pytest.raises(ValueError, match="global_norm must be one of"):
+        ProxyScorer(ckpt, global_norm="head")
+
+
 def test_checkpoint_round_trip(tmp_path):
     path, ckpt = make_checkpoint(tmp_path, "layers")
     assert sorted(p.name for p in path.iterdir()) == ["README.md", "model.safetensors", "proxykv_config.json"]

@@ -369,6 +369,38 @@ def test_refit_direct_path_moves_only_the_direct_path_and_keeps_the_best_epoch(s
     assert refit.training["steps"] == trained.training["steps"]  # the training record is kept, the refit added
 
 
+def test_refit_direct_path_can_widen_it_to_earlier_layers(self_data, tmp_path):
+    """refit-direct with direct_context: the widened mapper starts as the checkpoint (new weights at zero), the
+    cached refit computes what the widened mapper computes, and --init-from widens the same way in training."""
+    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
+    from proxykv_hf.train.evaluate import evaluate_mapper
+
+    trained = train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
+                           fast_train(max_steps=2))
+    cfg = DirectFitConfig(epochs=3, lr=5e-2, val_fraction=0.3, progress=False, direct_context=1)
+    refit = refit_direct_path(tmp_path / "a", self_data, tmp_path / "r", cfg)
+    assert refit.mapper.config.direct_context == 1
+    info = refit.training["direct_refit"]
+    _, val_set = split_dataset(MapperDataset(self_data), 0.3, 0)
+    start = evaluate_mapper(trained.mapper, val_set, cfg.eval_ratios, cfg.loss, batch_size=cfg.batch_size)
+    assert start["loss"] == pytest.approx(info["val_loss_before"], rel=1e-4)
+    fresh = evaluate_mapper(refit.mapper, val_set, cfg.eval_ratios, cfg.loss, batch_size=cfg.batch_size)
+    assert fresh["loss"] == pytest.approx(info["val_loss_after"], rel=1e-4)
+    if info["best_epoch"] > 0:
+        assert refit.mapper.direct.weight[..., trained.mapper.num_features:].abs().sum() > 0  # the context is used
+    with pytest.raises(ValueError, match="widen the direct path, not narrow it"):
+        refit_direct_path(tmp_path / "r", self_data, tmp_path / "r2",
+                          DirectFitConfig(epochs=1, progress=False, direct_context=0))
+    wide_cfg = mapper_config_for(self_data, "tiny", direct_path=True, direct_context=1)
+    again = train_mapper(self_data, tmp_path / "b", wide_cfg,
+                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
+    f = trained.mapper.num_features
+    torch.testing.assert_close(again.mapper.direct.weight[..., :f], trained.mapper.direct.weight)
+    assert not again.mapper.direct.weight[..., f:].any()
+    with pytest.raises(ValueError, match="direct_context must be None or an int >= 0"):
+        DirectFitConfig(direct_context=-1)
+
+
 def test_refit_direct_path_rejects_a_mapper_without_one(self_data, tmp_path):
     from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
 

@@ -78,6 +78,7 @@ class ProxyScorer(BackgroundScorer):
                                                                                                 "pool_kernel")
         self.layer_mix = checkpoint.layer_mix if layer_mix is None else check_layer_mix(layer_mix)
         self._mixer = LayerMixer(self.layer_mix)
+        self._earlier: dict[int, torch.Tensor] = {}  # a self proxy's last layers' features (direct_context)
         self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
@@ -121,6 +122,7 @@ class ProxyScorer(BackgroundScorer):
         clone = copy.copy(self)
         clone._scores, clone._event, clone._thread, clone._error = None, None, None, None
         clone._mixer = LayerMixer(self.layer_mix)
+        clone._earlier = {}
         return clone
 
     def _check(self, prompt: Prompt) -> None:
@@ -138,6 +140,7 @@ class ProxyScorer(BackgroundScorer):
         self._check(prompt)
         self._scores, self._event, self._thread, self._error = None, None, None, None
         self._mixer.reset()
+        self._earlier = {}
         if self.spec.kind == "self":
             return
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
@@ -240,12 +243,33 @@ class ProxyScorer(BackgroundScorer):
                                    chunk_size=self.chunk_size, statistics=self.spec.statistics)
             self.mapper.to(device)
             mask = inputs.valid.to(device).long()
-            return self._map(lambda: self.mapper.forward_layer(x, inputs.compact_index, mask), device)
+            earlier = self._earlier_features(inputs.compact_index, x)
+            return self._map(lambda: self.mapper.forward_layer(x, inputs.compact_index, mask, earlier=earlier), device)
         self._wait(device)
         scores = self._scores[:, inputs.compact_index].to(device, non_blocking=True)
         if inputs.compact_index == self.checkpoint.target.num_layers - 1:
             self._scores, self._event = None, None  # free once the last layer has its scores
         return scores
+
+
+    def _earlier_features(self, layer: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """A self proxy's features of the layers before ``layer`` that the mapper's direct path reads
+        (``MapperConfig.direct_context``), most recent first; keeps ``x`` for the layers after it."""
+        context = self.mapper.config.direct_context
+        if not context:
+            return []
+        pairing = self.mapper.config.pairing()
+        wanted = [q for q in range(pairing[layer] - 1, pairing[layer] - context - 1, -1) if q >= 0]
+        missing = [q for q in wanted if q not in self._earlier]
+        if missing:
+            raise RuntimeError(f"layer {layer}'s mapper reads the statistics of layers {wanted}, but {missing} were "
+                               "not scored before it in this prefill (layers must come in order, one prompt at a "
+                               "time; start each prompt on a fresh or reset cache)")
+        earlier = [self._earlier[q] for q in wanted]
+        self._earlier[pairing[layer]] = x
+        for q in [q for q in self._earlier if q <= pairing[layer] - context]:
+            del self._earlier[q]  # no later layer reads it
+        return earlier
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

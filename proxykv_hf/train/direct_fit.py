@@ -28,10 +28,11 @@ from torch import Tensor
 
 from .._fields import check_known_fields
 from ..hub import Checkpoint, load_checkpoint, save_checkpoint
+from ..mapper import HybridAxialMapper
 from .dataset import MapperDataset, split_dataset
 from .evaluate import logit_metrics
 from .losses import LossConfig, hybrid_loss
-from .mapper_init import check_mapper_fits
+from .mapper_init import check_mapper_fits, init_mapper_from
 
 __all__ = ["DirectFitConfig", "refit_direct_path"]
 
@@ -55,6 +56,9 @@ class DirectFitConfig:
         loss: the hybrid loss (the paper's coefficients by default).
         eval_ratios: keep ratios of the validation metrics.
         progress: a progress bar over the epochs.
+        direct_context: refit with the direct path also reading this many proxy layers before the paired one
+            (``MapperConfig.direct_context``); weights on layers the checkpoint did not read start at zero. None:
+            the checkpoint's own.
     """
 
     epochs: int = 40
@@ -66,8 +70,12 @@ class DirectFitConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     eval_ratios: tuple[float, ...] = (0.1, 0.3, 0.5)
     progress: bool = True
+    direct_context: int | None = None
 
     def __post_init__(self) -> None:
+        if self.direct_context is not None and (isinstance(self.direct_context, bool)
+                                                or not isinstance(self.direct_context, int) or self.direct_context < 0):
+            raise ValueError(f"direct_context must be None or an int >= 0, got {self.direct_context!r}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ValueError(f"epochs and batch_size must be >= 1, got {self.epochs}, {self.batch_size}")
         if not self.lr > 0:
@@ -104,10 +112,25 @@ def _frozen_parts(mapper, dataset) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return torch.stack(base), torch.stack(feats), torch.stack(ys), torch.stack(masks)
 
 
-def _direct_logits(weight: Tensor, bias: Tensor, feats: Tensor, pairing: Tensor) -> Tensor:
-    """Direct-path logits of every target layer: weight ``(L_l, H_l, F)``, feats ``(B, L_s, F, C)`` ->
+def _direct_logits(weight: Tensor, bias: Tensor, feats: Tensor, sources: Tensor) -> Tensor:
+    """Direct-path logits of every target layer: weight ``(L_l, H_l, K * F)``, feats ``(B, L_s, F, C)``, sources
+    ``(L_l, K)`` the proxy layers each target layer reads (:meth:`MapperConfig.direct_sources`; -1: zeros) ->
     ``(B, L_l, H_l, C)``."""
-    return torch.einsum("lhf,blfc->blhc", weight, feats[:, pairing]) + bias[None, :, :, None]
+    padded = torch.cat([feats, feats.new_zeros(feats[:, :1].shape)], dim=1)  # row L_s: the zeros for -1
+    inputs = padded[:, sources.where(sources >= 0, feats.shape[1])].flatten(2, 3)  # (B, L_l, K * F, C)
+    return torch.einsum("lhf,blfc->blhc", weight, inputs) + bias[None, :, :, None]
+
+
+def _with_context(mapper: HybridAxialMapper, context: int | None) -> HybridAxialMapper:
+    """``mapper``, or a copy whose direct path reads ``context`` earlier proxy layers (new weights at zero)."""
+    if context is None or context == mapper.config.direct_context:
+        return mapper
+    if context < mapper.config.direct_context:
+        raise ValueError(f"direct_context {context} is below the checkpoint's ({mapper.config.direct_context}): "
+                         "a refit can widen the direct path, not narrow it")
+    wide = HybridAxialMapper(dataclasses.replace(mapper.config, direct_context=context))
+    init_mapper_from(wide, mapper, "the checkpoint")
+    return wide.float().eval()
 
 
 def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
@@ -135,6 +158,7 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
     mapper = ckpt.mapper.float().eval()
     if mapper.direct is None:
         raise ValueError(f"{checkpoint} has no direct path (MapperConfig.direct_path is off): nothing to refit")
+    mapper = _with_context(mapper, cfg.direct_context)
     dataset = MapperDataset(data_dir, statistics=ckpt.proxy.statistics)
     check_mapper_fits(mapper.config, dataset.manifest)
     for name, want, got in (("target", ckpt.target.model_id, dataset.manifest.target_spec().model_id),
@@ -146,7 +170,7 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
         raise ValueError(f"{data_dir} holds no training crops")
     base, feats, ys, masks = _frozen_parts(mapper, train_set)
     val_parts = _frozen_parts(mapper, val_set) if len(val_set) else None
-    pairing = torch.tensor(mapper.pairing())
+    sources = torch.tensor(mapper.config.direct_sources())
     weight = mapper.direct.weight.detach().clone().requires_grad_(True)
     bias = mapper.direct.bias.detach().clone().requires_grad_(True)
     optimizer = torch.optim.AdamW([weight, bias], lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -157,7 +181,7 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
             return {}
         vb, vf, vy, vm = val_parts
         with torch.no_grad():
-            batches = ((vb[s:s + cfg.batch_size] + _direct_logits(weight, bias, vf[s:s + cfg.batch_size], pairing),
+            batches = ((vb[s:s + cfg.batch_size] + _direct_logits(weight, bias, vf[s:s + cfg.batch_size], sources),
                         vy[s:s + cfg.batch_size], vm[s:s + cfg.batch_size]) for s in range(0, vb.shape[0], cfg.batch_size))
             return logit_metrics(batches, cfg.eval_ratios, cfg.loss, seed=cfg.seed)
 
@@ -175,7 +199,7 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
         total_loss = 0.0
         for s in range(0, n, cfg.batch_size):
             idx = order[s:s + cfg.batch_size]
-            logits = base[idx] + _direct_logits(weight, bias, feats[idx], pairing)
+            logits = base[idx] + _direct_logits(weight, bias, feats[idx], sources)
             loss, _ = hybrid_loss(logits, ys[idx], masks[idx], cfg.loss, generator=gen)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

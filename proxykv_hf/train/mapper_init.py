@@ -18,7 +18,9 @@ ADDITIVE_FIELDS = {"direct_path": False}  # mapper fields whose new parameters s
 # the input transform a dataset's statistic gets by default: sums through log1p, probabilities (maxima) through log
 STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log", "lookback": "log"}
 # mapper fields that may grow: the input rows they add (statistics beyond the sum) start with zero weights
-WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2))}
+# (``direct_context``: the direct path's columns for earlier proxy layers follow those of the paired layer)
+WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight", 2)),
+                   "direct_context": (("direct.weight", 2),)}
 
 
 def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", *,
@@ -62,7 +64,8 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
     The configs must be equal, except that ``mapper`` may switch on fields of :data:`ADDITIVE_FIELDS` that
     ``start`` has off (the parameters those add keep their no-op initialisation), and may read more feature
     statistics (:data:`WIDENING_INPUTS`: e.g. the sum and the max where ``start`` read the sum; the weights on the
-    new feature rows start at zero), each through its own transform (``input_transform="log1p,log"`` after
+    new feature rows start at zero) or more earlier proxy layers in the direct path (``direct_context``), the
+    statistics each through its own transform (``input_transform="log1p,log"`` after
     ``"log1p"``). Either way ``mapper`` starts out computing exactly what ``start`` computes.
     """
     new, old = mapper.config.to_dict(), start.config.to_dict()
@@ -74,6 +77,8 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
             grown.add("input_transform")  # the widened mapper reads its new statistics through their own transform
     if any(k not in grown and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
         raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
+    if "num_statistics" in grown and (old.get("direct_context") or new.get("direct_context")):
+        raise ValueError(f"{name}: widen the statistics with direct_context 0, then the direct context")
     state = start.state_dict()
     own = mapper.state_dict()
     for param, dim in (pd for k in grown for pd in WIDENING_INPUTS.get(k, ())):

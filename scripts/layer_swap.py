@@ -1,0 +1,143 @@
+"""Which target layers cost ProxyKV its answers: ProxyKV's kept sets with KVzip's scores swapped in for a range of
+layers, and the share of the answer's tokens each method keeps per layer.
+
+How to run me (dev split only: this is a tool for choosing, so never point it at the test split)::
+
+    python scripts/layer_swap.py --tasks needle:filler-dev needle:readmes --n-samples 10 --keep-ratio 0.3 \\
+        --groups 0-9 10-19 20-29 --out runs/layer-swap.jsonl
+
+Per sample, one prefill scored by KVzip and one by ProxyKV (the bundled model and mapper unless ``--model`` /
+``--mapper``), then one query-agnostic answer per variant at ``--keep-ratio``: ``proxykv`` (ProxyKV's scores in
+every layer), ``kvzip`` (KVzip's everywhere) and ``kvzip@A-B`` (KVzip's in layers A..B, ProxyKV's elsewhere). If
+``kvzip@A-B`` answers where ``proxykv`` does not, ProxyKV's choices in those layers lost the answer. The second
+table: per layer, the share of (KV head, answer token) pairs each method keeps, over the samples whose answer
+strings are found in the context. Records (one JSON line per sample) go to ``--out``; a rerun appends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from proxykv_hf.eval import tasks as task_lib
+from proxykv_hf.eval.methods import RecordingCache, build_method, compacted_copy
+from proxykv_hf.eval.metrics import score_sample
+from proxykv_hf.eval.prompts import encode_sample
+from proxykv_hf.eval.splits import split_of_task
+from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from proxykv_hf.pipeline import answer_from_cache
+from proxykv_hf.scorers.registry import ScorerContext
+
+DEV_SEED = 1_000_003
+
+
+def answer_positions(tokenizer, ids: list[int], answers: list[str]) -> list[int]:
+    """Positions of the tokens that overlap any occurrence of an answer string in the decoded context."""
+    pieces = [tokenizer.decode([t]) for t in ids]
+    starts, at = [], 0
+    for piece in pieces:
+        starts.append(at)
+        at += len(piece)
+    text = "".join(pieces)
+    found = set()
+    for answer in answers:
+        k = text.find(answer)
+        while answer and k >= 0:
+            found.update(j for j, s in enumerate(starts) if s < k + len(answer) and s + len(pieces[j]) > k)
+            k = text.find(answer, k + 1)
+    return sorted(found)
+
+
+def parse_group(text: str, n_layers: int) -> list[int]:
+    lo, _, hi = text.partition("-")
+    lo, hi = int(lo), int(hi or lo)
+    if not 0 <= lo <= hi < n_layers:
+        raise SystemExit(f"--groups: {text!r} is not a layer range A-B within 0-{n_layers - 1}")
+    return list(range(lo, hi + 1))
+
+
+def recorded(model, scorer, ctx: torch.Tensor) -> RecordingCache:
+    cache = RecordingCache(scorer.fresh())
+    cache.prepare(model, ctx)
+    with torch.no_grad():
+        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def kept_share(scores: dict[int, torch.Tensor], keep: int, positions: list[int]) -> list[float]:
+    """Per layer, the share of (KV head, position) pairs of ``positions`` in each head's top ``keep``."""
+    out = []
+    for layer in sorted(scores):
+        s = scores[layer][0]  # (H_kv, T)
+        top = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, s.topk(keep, -1).indices, True)
+        out.append(top[:, positions].float().mean().item())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", nargs="+", default=["needle:filler-dev", "needle:readmes"])
+    p.add_argument("--n-samples", type=int, default=10)
+    p.add_argument("--context-length", type=int, default=2048)
+    p.add_argument("--keep-ratio", type=float, default=0.3)
+    p.add_argument("--groups", nargs="+", default=["0-9", "10-19", "20-29"], help="layer ranges A-B")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--mapper", default=None, help="mapper checkpoint (default: the bundled one)")
+    p.add_argument("--out", default="runs/layer-swap.jsonl")
+    ns = p.parse_args(argv)
+    bad = [t for t in ns.tasks if split_of_task(t) != "dev"]
+    if bad:
+        raise SystemExit(f"layer_swap.py runs on the dev split only; not dev tasks: {bad}")
+    from proxykv_hf.cli_helpers import BUNDLED_MAPPER
+
+    model, tok = load_model_and_tokenizer(ns.model)
+    options = ScorerContext(tokenizer=tok, mapper=ns.mapper or str(BUNDLED_MAPPER), seed=DEV_SEED)
+    kvzip, proxykv = build_method("kvzip", model, options), build_method("proxykv", model, options)
+    groups = {g: parse_group(g, model.config.num_hidden_layers) for g in ns.groups}
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with out.open("a") as log:
+        for task in ns.tasks:
+            for i, sample in enumerate(task_lib.generate(task, ns.n_samples, ns.context_length, tok, DEV_SEED)):
+                ctx_ids, q_ids = encode_sample(sample, tok)
+                ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])
+                by_k, by_p = recorded(model, kvzip, ctx), recorded(model, proxykv, ctx)
+                variants = {"proxykv": by_p.scores, "kvzip": by_k.scores}
+                variants.update({f"kvzip@{g}": {l: (by_k if l in ls else by_p).scores[l] for l in by_p.scores}
+                                 for g, ls in groups.items()})
+                row = {"task": task, "sample": i, "keep_ratio": ns.keep_ratio, "scores": {}}
+                for name, scores in variants.items():
+                    base = by_k if name == "kvzip" else by_p  # its own sinks and recent window, as in proxykv eval
+                    cache = compacted_copy(base, ns.keep_ratio, scorer=base.scorer, scores=scores)
+                    ids = answer_from_cache(model, cache, ctx, q, max_new_tokens=ns.max_new_tokens, do_sample=False,
+                                            pad_token_id=tok.pad_token_id)
+                    row["scores"][name] = score_sample(sample, tok.decode(ids[0], skip_special_tokens=True))
+                positions = answer_positions(tok, ctx_ids, sample.answers)
+                if positions:
+                    keep = max(1, int(ns.keep_ratio * len(ctx_ids)))
+                    row["kept_answer_tokens"] = {"proxykv": kept_share(by_p.scores, keep, positions),
+                                                 "kvzip": kept_share(by_k.scores, keep, positions)}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                rows.append(row)
+                print(task, i, row["scores"], flush=True)
+    names = list(rows[0]["scores"])
+    print(f"\naccuracy % at keep ratio {ns.keep_ratio}, {len(rows)} samples")
+    print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
+    print("| " + " | ".join(f"{100 * sum(r['scores'][n] for r in rows) / len(rows):.1f}" for n in names) + " |")
+    found = [r for r in rows if "kept_answer_tokens" in r]
+    if found:
+        print(f"\nshare of the answer's tokens kept per layer ({len(found)} samples)\n| layer | ProxyKV | KVzip |\n|---|---|---|")
+        for layer in range(len(found[0]["kept_answer_tokens"]["kvzip"])):
+            mean = {m: sum(r["kept_answer_tokens"][m][layer] for r in found) / len(found) for m in ("proxykv", "kvzip")}
+            print(f"| {layer} | {mean['proxykv']:.2f} | {mean['kvzip']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The helpers of scripts/layer_swap.py (no model): where an answer's tokens are, what a head keeps of them, the
+layer ranges, and its refusal of any split but dev."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from proxykv_hf.testing import tiny_tokenizer
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "layer_swap.py"
+
+
+@pytest.fixture(scope="module")
+def swap():
+    spec = importlib.util.spec_from_file_location("layer_swap", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_answer_positions_cover_every_occurrence(swap):
+    tok = tiny_tokenizer()  # one token per byte
+    text = "the code is QX-12 and again QX-12."
+    ids = tok.encode(text, add_special_tokens=False)
+    got = swap.answer_positions(tok, ids, ["QX-12"])
+    first, second = text.find("QX-12"), text.rfind("QX-12")
+    assert got == [*range(first, first + 5), *range(second, second + 5)]
+    assert swap.answer_positions(tok, ids, ["absent"]) == []
+    assert swap.answer_positions(tok, ids, [""]) == []
+
+
+def test_kept_share_counts_heads_and_positions(swap):
+    scores = {0: torch.tensor([[[5.0, 4.0, 0.0, 1.0], [0.0, 1.0, 5.0, 4.0]]]),  # (1, H_kv=2, T=4)
+              1: torch.tensor([[[0.0, 1.0, 5.0, 4.0], [0.0, 1.0, 5.0, 4.0]]])}
+    assert swap.kept_share(scores, 2, [0, 1]) == [0.5, 0.0]  # layer 0: head 0 keeps both, head 1 neither
+    assert swap.kept_share(scores, 2, [2]) == [0.5, 1.0]
+
+
+def test_groups_and_the_dev_only_rule(swap):
+    assert swap.parse_group("20-29", 30) == list(range(20, 30))
+    assert swap.parse_group("7", 30) == [7]
+    for bad in ("25-30", "9-3"):
+        with pytest.raises(SystemExit, match="not a layer range"):
+            swap.parse_group(bad, 30)
+    with pytest.raises(SystemExit, match="dev split only"):
+        swap.main(["--tasks", "passkey:filler-test"])
