@@ -285,8 +285,7 @@ class HybridAxialMapper(nn.Module):
             raise ValueError(f"target_layer_idx must be in [0, {self.config.num_target_layers}), "
                              f"got {target_layer_idx}")
         self._check(x_layer, 3, attention_mask)
-        sources = self.config.direct_sources()[target_layer_idx]
-        want = sum(p >= 0 for p in sources[1:])
+        want = len(self.direct_layers(target_layer_idx)) - 1
         earlier = list(earlier or [])
         if len(earlier) != want:
             raise ValueError(f"target layer {target_layer_idx} reads {want} earlier proxy layers through its direct "
@@ -302,12 +301,17 @@ class HybridAxialMapper(nn.Module):
     def _direct_features(self, x_layer: Tensor, attention_mask: Tensor | None) -> Tensor:
         return self.direct.features(x_layer, None if attention_mask is None else attention_mask.bool())
 
+    def direct_layers(self, target_layer_idx: int) -> list[int]:
+        """The proxy layers the direct path of a target layer reads that exist (paired one first)."""
+        return [q for q in self.config.direct_sources()[target_layer_idx] if q >= 0]
+
     def _direct_inputs(self, feats: list[Tensor]) -> Tensor:
         """The direct features of the paired layer and the earlier ones (most recent first) -> the direct path's
         input ``(B, (1 + direct_context) * F, N)``, zeros for layers the proxy does not have."""
+        if self.config.direct_context == 0:
+            return feats[0]
         missing = self.config.direct_context + 1 - len(feats)
-        return torch.cat([*feats, *[torch.zeros_like(feats[0])] * missing], dim=1) if missing or len(feats) > 1 \
-            else feats[0]
+        return torch.cat([*feats, *[torch.zeros_like(feats[0])] * missing], dim=1)
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None,
                 target_layers: list[int] | None = None) -> Tensor:
@@ -331,6 +335,7 @@ class HybridAxialMapper(nn.Module):
             raise ValueError(f"target_layers must be a non-empty list of indices in [0, {len(pairs)}), got "
                              f"{target_layers}")
         scores: dict[int, Tensor] = {}
+        direct_feats: dict[int, Tensor] = {}  # per proxy layer, computed once (direct_context reads earlier ones)
         proxy_layers = sorted({pairs[l] for l in wanted})
         # In eval mode (BatchNorm on running statistics, so rows are independent) several proxy layers share one
         # pass through stages 1-2 as extra batch rows: fewer, larger kernels. Training keeps one layer per pass,
@@ -343,11 +348,14 @@ class HybridAxialMapper(nn.Module):
             zs = self.encode(x[:, ps].transpose(0, 1).flatten(0, 1), mask).view(len(ps), b, x.shape[-1], -1)
             for p, z in zip(ps, zs):  # z: (B, N, d_time)
                 shared = None if self.layer_embedding is not None else self._head(z, 0)
+                paired = [l for l in dict.fromkeys(wanted) if pairs[l] == p]
                 f = None
                 if self.direct is not None:  # this proxy layer's direct features, then those of the earlier ones
-                    back = [q for q in range(p, p - self.config.direct_context - 1, -1) if q >= 0]
-                    f = self._direct_inputs([self._direct_features(x[:, q], attention_mask) for q in back])
-                for l in (l for l in dict.fromkeys(wanted) if pairs[l] == p):
+                    for q in self.direct_layers(paired[0]):
+                        if q not in direct_feats:
+                            direct_feats[q] = self._direct_features(x[:, q], attention_mask)
+                    f = self._direct_inputs([direct_feats[q] for q in self.direct_layers(paired[0])])
+                for l in paired:
                     scores[l] = self._head(z, l) if shared is None else shared
                     if f is not None:
                         scores[l] = scores[l] + self.direct(f, l)

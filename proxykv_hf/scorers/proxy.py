@@ -251,23 +251,21 @@ class ProxyScorer(BackgroundScorer):
             self._scores, self._event = None, None  # free once the last layer has its scores
         return scores
 
-
     def _earlier_features(self, layer: int, x: torch.Tensor) -> list[torch.Tensor]:
         """A self proxy's features of the layers before ``layer`` that the mapper's direct path reads
         (``MapperConfig.direct_context``), most recent first; keeps ``x`` for the layers after it."""
         context = self.mapper.config.direct_context
         if not context:
             return []
-        pairing = self.mapper.config.pairing()
-        wanted = [q for q in range(pairing[layer] - 1, pairing[layer] - context - 1, -1) if q >= 0]
+        paired, *wanted = self.mapper.direct_layers(layer)
         missing = [q for q in wanted if q not in self._earlier]
         if missing:
             raise RuntimeError(f"layer {layer}'s mapper reads the statistics of layers {wanted}, but {missing} were "
                                "not scored before it in this prefill (layers must come in order, one prompt at a "
                                "time; start each prompt on a fresh or reset cache)")
         earlier = [self._earlier[q] for q in wanted]
-        self._earlier[pairing[layer]] = x
-        for q in [q for q in self._earlier if q <= pairing[layer] - context]:
+        self._earlier[paired] = x
+        for q in [q for q in self._earlier if q <= paired - context]:
             del self._earlier[q]  # no later layer reads it
         return earlier
 
