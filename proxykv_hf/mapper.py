@@ -351,10 +351,11 @@ class HybridAxialMapper(nn.Module):
                 paired = [l for l in dict.fromkeys(wanted) if pairs[l] == p]
                 f = None
                 if self.direct is not None:  # this proxy layer's direct features, then those of the earlier ones
-                    for q in self.direct_layers(paired[0]):
+                    sources = self.direct_layers(paired[0])
+                    for q in sources:
                         if q not in direct_feats:
                             direct_feats[q] = self._direct_features(x[:, q], attention_mask)
-                    f = self._direct_inputs([direct_feats[q] for q in self.direct_layers(paired[0])])
+                    f = self._direct_inputs([direct_feats[q] for q in sources])
                 for l in paired:
                     scores[l] = self._head(z, l) if shared is None else shared
                     if f is not None:
