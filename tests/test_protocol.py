@@ -150,6 +150,9 @@ def test_bootstrap_intervals():
     assert bootstrap(recs, n_boot=50)["cells"][("kvzip", 0.3)][0] == 0.5
     text = interval_tables(_records({"full": [1, 1], "kvzip": [1, 0], "proxykv": [0, 0]}), "dev", n_boot=50)
     assert "Split dev" in text and "ProxyKV / KVzip" in text and "0.0 [0.0, 0.0]" in text
+    assert "2 samples (1 task x 2)" in text
+    uneven = _records({"kvzip": [1, 0, 1]}, task="a") + _records({"kvzip": [1, 0]}, task="b")
+    assert "5 samples (2 tasks x 2-3)" in interval_tables(uneven, "dev", n_boot=20)
 
 
 def test_statistic_scorer_matches_a_hand_computation():

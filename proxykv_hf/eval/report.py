@@ -223,9 +223,11 @@ def interval_tables(records: list[dict], split: str | None = None, n_boot: int =
         n = b["n"]
         pct = lambda c: f"{100 * c[0]:.1f}"  # noqa: E731
         span = lambda c: f"{100 * c[0]:.1f} [{100 * c[1]:.1f}, {100 * c[2]:.1f}]"  # noqa: E731
-        lines += ["", f"Split {split or 'custom'}, ~{length} tokens: {sum(n.values())} samples ({len(n)} tasks x "
-                  f"{min(n.values())}-{max(n.values())}); accuracy %, mean over the ratios with its 95% bootstrap "
-                  "interval over samples", "",
+        per_task = f"{min(n.values())}" if min(n.values()) == max(n.values()) else \
+            f"{min(n.values())}-{max(n.values())}"
+        lines += ["", f"Split {split or 'custom'}, ~{length} tokens: {sum(n.values())} samples ({len(n)} "
+                  f"task{'s' if len(n) > 1 else ''} x {per_task}); accuracy %, mean over the ratios with its 95% "
+                  "bootstrap interval over samples", "",
                   "| method | " + " | ".join(f"rho={r}" for r in ratios) + " | mean [95% interval] | of KVzip |",
                   "|---|" + "---|" * (len(ratios) + 2)]
         if ("full", 1.0) in b["cells"]:
