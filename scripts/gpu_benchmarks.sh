@@ -2,6 +2,8 @@
 # The GPU measurements of docs/performance.md, one phase per call.
 #
 # How to run me (one CUDA GPU, the package installed with a CUDA build of torch):
+#   bash scripts/gpu_benchmarks.sh quick OUT_DIR    # GPU tests, then 32k only: Llama full / KVzip / ProxyKV and Qwen
+#                                                   # full / ProxyKV (the speed targets, in about 10 minutes)
 #   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the fused-kernel tables (bench_attention_sums.py)
 #   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
 #   KVZIP= bash scripts/gpu_benchmarks.sh llama OUT_DIR          # the same without KVzip (its rows take longest)
@@ -12,10 +14,16 @@
 # attention, keep ratio 0.3. Each bench directory holds bench.json (rows, config, environment), bench.md and
 # bench.png; docs/data/gpu_*.json are such files.
 set -uo pipefail
-phase=${1:?give a phase: tests, llama, qwen or long}; out=${2:-bench-out/gpu}; mkdir -p "$out"
+phase=${1:?give a phase: quick, tests, llama, qwen or long}; out=${2:-bench-out/gpu}; mkdir -p "$out"
 here=$(dirname "$0")
 bench() { python3 -m proxykv_hf.cli bench --dtype bfloat16 --keep-ratio 0.3 "$@"; }
 case $phase in
+  quick)
+    python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
+    bench --shape llama-3.1-8b --methods full kvzip proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
+      --out "$out/llama-32k"
+    bench --shape qwen2.5-7b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
+      --out "$out/qwen-32k" ;;
   tests)
     python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
     python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536
@@ -30,5 +38,5 @@ case $phase in
     shape=${3:-llama-3.1-8b}
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench --shape "$shape" --methods full proxykv \
       --context-lengths 65536 131072 --repeats 1 --warmup 0 --decode-tokens 32 --out "$out/long-$shape" ;;
-  *) echo "unknown phase $phase: give tests, llama, qwen or long"; exit 2 ;;
+  *) echo "unknown phase $phase: give quick, tests, llama, qwen or long"; exit 2 ;;
 esac
