@@ -17,15 +17,16 @@ set -uo pipefail
 phase=${1:?give a phase: quick, tests, llama, qwen or long}; out=${2:-bench-out/gpu}; mkdir -p "$out"
 here=$(dirname "$0")
 bench() { python3 -m proxykv_hf.cli bench --dtype bfloat16 --keep-ratio 0.3 "$@"; }
+gpu_tests() { python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py; }
 case $phase in
   quick)
-    python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
+    gpu_tests
     bench --shape llama-3.1-8b --methods full kvzip proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
       --out "$out/llama-32k"
     bench --shape qwen2.5-7b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
       --out "$out/qwen-32k" ;;
   tests)
-    python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py
+    gpu_tests
     python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536
     python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536 --statistics sum max ;;
   llama)

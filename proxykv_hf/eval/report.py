@@ -223,8 +223,8 @@ def interval_tables(records: list[dict], split: str | None = None, n_boot: int =
         n = b["n"]
         pct = lambda c: f"{100 * c[0]:.1f}"  # noqa: E731
         span = lambda c: f"{100 * c[0]:.1f} [{100 * c[1]:.1f}, {100 * c[2]:.1f}]"  # noqa: E731
-        per_task = f"{min(n.values())}" if min(n.values()) == max(n.values()) else \
-            f"{min(n.values())}-{max(n.values())}"
+        fewest, most = min(n.values()), max(n.values())
+        per_task = f"{fewest}" if fewest == most else f"{fewest}-{most}"
         lines += ["", f"Split {split or 'custom'}, ~{length} tokens: {sum(n.values())} samples ({len(n)} "
                   f"task{'s' if len(n) > 1 else ''} x {per_task}); accuracy %, mean over the ratios with its 95% "
                   "bootstrap interval over samples", "",
