@@ -12,7 +12,8 @@ the attention sinks, left out). Text the model has seen before (a repeated sente
 copying from its earlier occurrence and scores high; a token with nothing to look back to (a new number, a code)
 scores low. KVzip keeps exactly such tokens, and the sum and max rank them last when the text around them repeats.
 
-The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``. On a GPU, the causal unmasked
+The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)`` (on a CPU ``O(B * H / H_kv * chunk *
+T)``: one KV head's query heads at a time). On a GPU, the causal unmasked
 case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the
 probabilities to memory. The statistics of a layer's own unpadded prefill can also come with that attention's
 output (:func:`causal_attention_with_statistics`): on a CPU from the same softmax, so the attention runs once, not
@@ -302,44 +303,57 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
     plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
     k_t = k.transpose(-1, -2)  # (B, H_kv, D, T)
+    per_pass = _kv_heads_per_pass(query.device, H_kv)
     # one buffer for every chunk's logits, softmaxed in place: no fresh chunk-sized allocation (and page faults) per
     # chunk, and no second chunk-sized tensor for the probabilities
-    scratch = torch.empty(B * H * min(chunk_size, Q) * T, dtype=torch.float32, device=query.device)
-    for q0 in range(0, Q, chunk_size):
-        q1 = min(q0 + chunk_size, Q)
-        t_end = min(T, q1 + T - Q) if causal else T
-        d0 = q0 + T - Q  # key position of the chunk's first query
-        C = q1 - q0
-        q = query[:, :, q0:q1].float().mul(scaling).reshape(B, H_kv, G * C, D)  # (B, H_kv, G*C, D)
-        logits = scratch[: B * H * C * t_end].view(B, H_kv, G * C, t_end)
-        torch.matmul(q, k_t[..., :t_end], out=logits)
-        logits = logits.view(B, H_kv, G, C, t_end)
-        if plain:
-            future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
-            logits[..., d0:t_end].masked_fill_(future, float("-inf"))
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # every row sees its own key
-        else:
-            bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
-            logits.add_(bias[:, :, None])  # broadcast over (H_kv, G)
-            probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).nan_to_num_(0.0)  # masked rows -> 0
-        if v is not None:
-            rows = torch.matmul(probs.view(B, H_kv, G * (q1 - q0), t_end), v[:, :, :t_end])  # (B, H_kv, G*C, Dv)
-            attended[:, :, :, q0:q1] = rows.view(B, H_kv, G, q1 - q0, -1)
-        if query_valid is not None:
-            probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
-        if lookback is not None:
-            lookback[..., d0:d0 + q1 - q0] = _chunk_lookback(probs, first, first_rows, d0)
-        out[..., :t_end] += probs.sum(dim=3)
-        if peak is not None:
-            if T >= Q:  # the query's own key is on the diagonal of the block at d0
-                probs[..., d0:d0 + q1 - q0].diagonal(dim1=-2, dim2=-1).zero_()
+    scratch = torch.empty(B * per_pass * G * min(chunk_size, Q) * T, dtype=torch.float32, device=query.device)
+    for h0 in range(0, H_kv, per_pass):
+        h1 = min(h0 + per_pass, H_kv)
+        heads = slice(h0, h1)
+        n = h1 - h0
+        for q0 in range(0, Q, chunk_size):
+            q1 = min(q0 + chunk_size, Q)
+            t_end = min(T, q1 + T - Q) if causal else T
+            d0 = q0 + T - Q  # key position of the chunk's first query
+            C = q1 - q0
+            q = query[:, h0 * G:h1 * G, q0:q1].float().mul(scaling).reshape(B, n, G * C, D)  # (B, n, G*C, D)
+            logits = scratch[: B * n * G * C * t_end].view(B, n, G * C, t_end)
+            torch.matmul(q, k_t[:, heads, :, :t_end], out=logits)
+            logits = logits.view(B, n, G, C, t_end)
+            if plain:
+                future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
+                logits[..., d0:t_end].masked_fill_(future, float("-inf"))
+                probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # every row sees its own key
             else:
-                own = torch.arange(t_end, device=query.device)[None, :] == (
-                    torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
-                probs.masked_fill_(own, 0.0)
-            peak[..., :t_end] = torch.maximum(peak[..., :t_end], probs.amax(dim=3))
+                bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
+                logits.add_(bias[:, :, None])  # broadcast over (n, G)
+                probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).nan_to_num_(0.0)  # masked rows: 0
+            if v is not None:
+                rows = torch.matmul(probs.view(B, n, G * C, t_end), v[:, heads, :t_end])  # (B, n, G*C, Dv)
+                attended[:, heads, :, q0:q1] = rows.view(B, n, G, C, -1)
+            if query_valid is not None:
+                probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
+            if lookback is not None:
+                lookback[:, heads, :, d0:d0 + C] = _chunk_lookback(probs, first, first_rows, d0)
+            out[:, heads, :, :t_end] += probs.sum(dim=3)
+            if peak is not None:
+                if T >= Q:  # the query's own key is on the diagonal of the block at d0
+                    probs[..., d0:d0 + C].diagonal(dim1=-2, dim2=-1).zero_()
+                else:
+                    own = torch.arange(t_end, device=query.device)[None, :] == (
+                        torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
+                    probs.masked_fill_(own, 0.0)
+                window = peak[:, heads, :, :t_end]
+                torch.maximum(window, probs.amax(dim=3), out=window)
     output = None if attended is None else attended.view(B, H, Q, -1)
     return {"sum": out, "max": peak, "lookback": lookback}, output
+
+
+def _kv_heads_per_pass(device: torch.device, num_kv_heads: int) -> int:
+    """KV heads whose query chunks the PyTorch path computes together: one on a CPU, so that a chunk's logits stay
+    small enough for the caches (docs/performance.md, "One KV head per pass"); elsewhere all of them, in as few
+    launches as possible."""
+    return 1 if device.type == "cpu" else num_kv_heads
 
 
 def _first_lookback_key(attention_mask, query_valid, Q: int, T: int, device) -> torch.Tensor:

@@ -221,6 +221,36 @@ def test_attention_with_statistics_equals_attention_then_statistics(chunk, Q, st
         torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_kv_heads_per_pass_do_not_change_the_result(monkeypatch, masked):
+    """The PyTorch path computes one KV head's queries at a time on a CPU and all KV heads at once elsewhere: both
+    give the same statistics and output, under a padding mask too."""
+    from proxykv_hf import scoring
+
+    torch.manual_seed(4)
+    B, H, H_kv, T, D = 2, 6, 3, 21, 8
+    query, key, value = torch.randn(B, H, T, D) * 2, torch.randn(B, H_kv, T, D) * 2, torch.randn(B, H_kv, T, D)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :5] = False
+    mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & valid[:, None, None, :]
+    stats = ("sum", "max", "lookback")
+
+    def run(per_pass):
+        monkeypatch.setattr(scoring, "_kv_heads_per_pass", lambda device, n: per_pass)
+        if masked:
+            found, _ = scoring._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
+            return [found[s] for s in stats]
+        out, got = scoring.causal_attention_with_statistics(query, key, value, 0.3, chunk_size=4, statistics=stats,
+                                                            backend="torch")
+        return [out, got]
+
+    assert scoring._kv_heads_per_pass(torch.device("cpu"), H_kv) == 1
+    one, two, every = run(1), run(2), run(H_kv)
+    for a, b, c in zip(one, two, every):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+
+
 def test_attention_with_statistics_bad_arguments():
     from proxykv_hf.scoring import causal_attention_with_statistics as fused
 
