@@ -44,3 +44,11 @@ def test_flop_budget_prints_the_floor_and_the_measured_rows(tmp_path):
     measured = [line for line in done.stdout.splitlines() if line.startswith("| 32768 | 1.76 |")]
     assert measured  # the bench file's ProxyKV row at 32k, against its floor
     assert (tmp_path / "floor.png").stat().st_size > 0
+
+
+def test_bench_cpu_attention_prints_one_row_per_length():
+    done = run("bench_cpu_attention.py", "--lengths", "96", "160", "--repeats", "1", "--chunk-size", "32")
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[0] for r in rows] == ["| 96", "| 160"]
+    assert all(r.count("x)") == 2 for r in rows)
