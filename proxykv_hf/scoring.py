@@ -12,13 +12,13 @@ the attention sinks, left out). Text the model has seen before (a repeated sente
 copying from its earlier occurrence and scores high; a token with nothing to look back to (a new number, a code)
 scores low. KVzip keeps exactly such tokens, and the sum and max rank them last when the text around them repeats.
 
-The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)`` (on a CPU ``O(B * H / H_kv * chunk *
-T)``: one KV head's query heads at a time). On a GPU, the causal unmasked
-case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the
-probabilities to memory. The statistics of a layer's own unpadded prefill can also come with that attention's
-output (:func:`causal_attention_with_statistics`): on a CPU from the same softmax, so the attention runs once, not
-once in sdpa and again here; on a GPU from flash attention, whose row log-sum-exp spares the fused kernels their
-first pass.
+The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``, on a CPU ``O(B * H / H_kv * chunk *
+T)`` (one KV head's query heads at a time). On a GPU, the causal unmasked case (an unpadded prompt) takes the
+fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the probabilities to memory. The statistics
+of a layer's own unpadded prefill can also come with that attention's output
+(:func:`causal_attention_with_statistics`): on a CPU from the same softmax, so the attention runs once, not once in
+sdpa and again here; on a GPU from flash attention, whose row log-sum-exp spares the fused kernels their first
+pass.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _REDUCTIONS = ("none", "mean", "sum", "max")
 BACKENDS = ("auto", "torch", "triton")
-# queries per chunk of the PyTorch path (why 128: docs/performance.md, "Query chunks of 128")
+# queries per chunk of the PyTorch path (why 128: docs/performance.md, "One KV head per pass, query chunks of 128")
 CHUNK_SIZE = 128
 STATISTICS = ("sum", "max", "lookback")
 # the "lookback" statistic: keys at least this many positions before the query, past the row's first sink tokens
@@ -351,7 +351,7 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
 
 def _kv_heads_per_pass(device: torch.device, num_kv_heads: int) -> int:
     """KV heads whose query chunks the PyTorch path computes together: one on a CPU, so that a chunk's logits stay
-    small enough for the caches (docs/performance.md, "One KV head per pass"); elsewhere all of them, in as few
+    small enough for the caches (docs/performance.md, "How the CPU path runs"); elsewhere all of them, in as few
     launches as possible."""
     return 1 if device.type == "cpu" else num_kv_heads
 
