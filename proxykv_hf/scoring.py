@@ -307,26 +307,27 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     # one buffer for every chunk's logits, softmaxed in place: no fresh chunk-sized allocation (and page faults) per
     # chunk, and no second chunk-sized tensor for the probabilities
     scratch = torch.empty(B * per_pass * G * min(chunk_size, Q) * T, dtype=torch.float32, device=query.device)
-    for h0 in range(0, H_kv, per_pass):
-        h1 = min(h0 + per_pass, H_kv)
-        heads = slice(h0, h1)
-        n = h1 - h0
-        for q0 in range(0, Q, chunk_size):
-            q1 = min(q0 + chunk_size, Q)
-            t_end = min(T, q1 + T - Q) if causal else T
-            d0 = q0 + T - Q  # key position of the chunk's first query
-            C = q1 - q0
+    for q0 in range(0, Q, chunk_size):
+        q1 = min(q0 + chunk_size, Q)
+        t_end = min(T, q1 + T - Q) if causal else T
+        d0 = q0 + T - Q  # key position of the chunk's first query
+        C = q1 - q0
+        if plain:  # what each chunk hides: the future inside its diagonal block, or the mask's own bias
+            future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
+        else:
+            bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)[:, :, None]  # (B|1, 1, 1, C, t_end)
+        for h0 in range(0, H_kv, per_pass):
+            h1 = min(h0 + per_pass, H_kv)
+            heads, n = slice(h0, h1), h1 - h0
             q = query[:, h0 * G:h1 * G, q0:q1].float().mul(scaling).reshape(B, n, G * C, D)  # (B, n, G*C, D)
             logits = scratch[: B * n * G * C * t_end].view(B, n, G * C, t_end)
             torch.matmul(q, k_t[:, heads, :, :t_end], out=logits)
             logits = logits.view(B, n, G, C, t_end)
             if plain:
-                future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
                 logits[..., d0:t_end].masked_fill_(future, float("-inf"))
                 probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # every row sees its own key
             else:
-                bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)  # (B|1, 1, C, t_end)
-                logits.add_(bias[:, :, None])  # broadcast over (n, G)
+                logits.add_(bias)  # broadcast over (n, G)
                 probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).nan_to_num_(0.0)  # masked rows: 0
             if v is not None:
                 rows = torch.matmul(probs.view(B, n, G * C, t_end), v[:, heads, :t_end])  # (B, n, G*C, Dv)
