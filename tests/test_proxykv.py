@@ -17,6 +17,7 @@ from proxykv_hf.proxy import ProxySpec, every_kth_layer, proxy_features
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
 TARGET_LAYERS = 4
+FLOAT32 = {"mapper_autocast": False}  # compare kept sets with the float32 mapper's own scores, bit for bit
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,7 @@ def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, tar
 
     kept = {}
     for kernel in (None, 1):
-        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, pool_kernel=kernel)
+        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, pool_kernel=kernel, **FLOAT32)
         target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
         kept[kernel] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
         for layer in range(TARGET_LAYERS):
@@ -123,7 +124,7 @@ def test_layer_mix_selects_the_topk_of_the_mixed_mapper_scores(tmp_path, target,
     kept = {}
     template = None
     for mix in (None, 0.0):
-        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, layer_mix=mix)
+        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, layer_mix=mix, **FLOAT32)
         template = template or cache
         target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
         kept[mix] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
@@ -158,7 +159,7 @@ def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, 
     ckpt.mapper = wide
     path = save_checkpoint(ckpt, tmp_path / "context")
     assert load_checkpoint(path).mapper.config.direct_context == 1
-    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5)
+    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, **FLOAT32)
     for seed in (0, 1):
         inputs = random_prompt(2, 40, lengths=[40, 31], seed=seed)
         valid = inputs["attention_mask"].bool()
@@ -351,3 +352,37 @@ def test_statistics_fused_with_the_attention_change_nothing(tmp_path, target, ki
         assert len(runs[True][3]) == (1 if kind == "layers" else TARGET_LAYERS)
         for a, b in zip(runs[False][3], runs[True][3], strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_mapper_precision_follows_the_device(tmp_path, target, monkeypatch):
+    """The mapper runs under bfloat16 autocast where bfloat16 is fast (CUDA, a CPU with AVX512-BF16 or AMX) and in
+    float32 elsewhere or with mapper_autocast=False; bfloat16 keeps nearly the same tokens as float32."""
+    from proxykv_hf.scorers import proxy as proxy_scorers
+
+    fast = proxy_scorers.bfloat16_is_fast
+    assert fast(torch.device("cuda")) and not fast(torch.device("meta"))
+    path, _ = make_checkpoint(tmp_path, "self")
+    inputs = random_prompt(2, 200, lengths=[200, 150], seed=3)
+    dtypes = []
+
+    def kept(fast: bool, **extra) -> list[torch.Tensor]:
+        monkeypatch.setattr(proxy_scorers, "bfloat16_is_fast", lambda device: fast)
+        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, **extra)
+        real = cache.scorer.mapper.forward_layer
+        monkeypatch.setattr(cache.scorer.mapper, "forward_layer",
+                            lambda *a, **kw: dtypes.append(torch.get_autocast_dtype("cpu")
+                                                           if torch.is_autocast_enabled("cpu") else None)
+                            or real(*a, **kw))
+        target.generate(**inputs, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        return [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
+
+    full = kept(False)
+    assert set(dtypes) == {None}
+    assert all(torch.equal(a, b) for a, b in zip(full, kept(True, mapper_autocast=False)))
+    assert set(dtypes) == {None}
+    half = kept(True)
+    assert set(dtypes[-TARGET_LAYERS:]) == {torch.bfloat16}
+    same = sum(len(set(a[r, h].tolist()) & set(b[r, h].tolist())) for a, b in zip(full, half)
+               for r in range(a.shape[0]) for h in range(a.shape[1]))
+    total = sum(a.numel() for a in full)
+    assert same / total > 0.75, same / total  # ~0.3 by chance; a random tiny mapper's scores are close together

@@ -11,6 +11,7 @@ from proxykv_hf import LayerScorer, ModelScorer, ProxyKVCache
 from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
 from proxykv_hf.eval.methods import RecordingCache
 from proxykv_hf.scorers import ScorerContext, registry
+from proxykv_hf.scorers.proxy import bfloat16_is_fast
 from proxykv_hf.selection import keep_counts, select_topk
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
@@ -61,10 +62,12 @@ def test_padded_rows_score_as_alone(setup, name):
     batch = random_prompt(2, 40, lengths=[40, 29], seed=5)
     alone = {k: v[1:, -29:] for k, v in batch.items()}
     together, single = _recorded(model, scorer, batch), _recorded(model, scorer, alone)
+    # a mapper under bfloat16 autocast rounds differently in a batch of two than alone
+    tol = 3e-2 if getattr(scorer, "mapper_autocast", False) and bfloat16_is_fast(torch.device("cpu")) else 1e-4
     for i in together:
         a, b = together[i][1, :, -29:], single[i][0]
         scale = b.abs().max().clamp_min(1e-6)
-        torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=tol * scale, rtol=tol)
 
 
 @pytest.mark.parametrize("name", BUILT_IN)

@@ -18,6 +18,17 @@ logger = logging.getLogger(__name__)
 GLOBAL_NORMS = ("none", "layer")
 
 
+def bfloat16_is_fast(device: torch.device) -> bool:
+    """Whether bfloat16 matmuls beat float32 on ``device``: CUDA, or a CPU with AVX512-BF16 or AMX instructions
+    (elsewhere the CPU emulates bfloat16 and runs slower than float32)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch.cpu; absent means no
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 class ProxyScorer(BackgroundScorer):
     """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`).
 
@@ -27,7 +38,8 @@ class ProxyScorer(BackgroundScorer):
     together at the end of the prefill, after the target's stream waits on the event (never a device-wide sync).
     With a ``"self"`` proxy the features are the target's own attention sums, mapped layer by layer.
 
-    On CUDA the mapper runs under bfloat16 autocast (``mapper_autocast``); its logits come back in float32.
+    On CUDA, and on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), the mapper runs under bfloat16
+    autocast (``mapper_autocast``, :func:`bfloat16_is_fast`); its logits come back in float32.
 
     Args:
         checkpoint: a loaded :class:`~proxykv_hf.hub.Checkpoint`.
@@ -35,7 +47,7 @@ class ProxyScorer(BackgroundScorer):
         proxy_device: where the proxy and mapper run; default: the target's device.
         chunk_size: queries per chunk in the attention accumulation (PyTorch path).
         n_sink: first tokens always kept (the KVzip teacher protects its sinks the same way).
-        mapper_autocast: run the mapper under bfloat16 autocast on CUDA.
+        mapper_autocast: run the mapper under bfloat16 autocast where :func:`bfloat16_is_fast`.
         overlap: let the target finish its whole prefill while the proxy still runs, and compact all layers at the
             end (the target's full K/V is then held until the end of the prefill, a higher peak memory). None
             (default): only when the proxy runs on another device than the target. With ``False`` the first
@@ -192,8 +204,8 @@ class ProxyScorer(BackgroundScorer):
                 self._scores.record_stream(torch.cuda.current_stream(device))
 
     def _map(self, fn, device: torch.device) -> torch.Tensor:
-        on = self.mapper_autocast and device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on):
+        on = self.mapper_autocast and bfloat16_is_fast(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on):
             return fn().float()
 
     @torch.no_grad()
