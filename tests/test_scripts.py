@@ -52,3 +52,12 @@ def test_bench_cpu_attention_prints_one_row_per_length():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split(" | ")[0] for r in rows] == ["| 96", "| 160"]
     assert all(r.count("x)") == 2 for r in rows)
+
+
+def test_bench_cpu_mapper_prints_one_row_per_length():
+    done = run("bench_cpu_mapper.py", "--lengths", "96", "160", "--repeats", "1")
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[0] for r in rows] == ["| 96", "| 160"]
+    overlaps = [float(r.rstrip(" |").split(" | ")[-1]) for r in rows]
+    assert all(0.5 < o <= 1.0 for o in overlaps), overlaps  # bfloat16 rounding moves few of the kept tokens
