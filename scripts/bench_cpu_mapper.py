@@ -14,30 +14,13 @@ elsewhere the bfloat16 column measures the emulated path that the scorer avoids.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from bench_cpu_attention import best_of  # the script beside this one (its directory is on sys.path)
 
 from proxykv_hf.hub import BUNDLED_MAPPER, load_checkpoint
 from proxykv_hf.scorers.proxy import bfloat16_is_fast
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def top_overlap(a: torch.Tensor, b: torch.Tensor, ratio: float = 0.3) -> float:
-    """Mean share of the top ``ratio`` tokens of ``a`` that are also in ``b``'s, per row of the last axis."""
-    k = max(1, int(ratio * a.shape[-1]))
-    ta = torch.zeros_like(a, dtype=torch.bool).scatter_(-1, a.topk(k, -1).indices, True)
-    tb = torch.zeros_like(b, dtype=torch.bool).scatter_(-1, b.topk(k, -1).indices, True)
-    return (ta & tb).sum(-1).float().mean().item() / k
+from proxykv_hf.train.metrics import topk_recall
 
 
 def main(argv=None) -> None:
@@ -63,7 +46,7 @@ def main(argv=None) -> None:
                 return mapper(x).float()
 
         full, half = best_of(lambda: run(False), args.repeats), best_of(lambda: run(True), args.repeats)
-        overlap = top_overlap(run(False), run(True))
+        overlap = topk_recall(run(True), run(False), 0.3).item()  # same K for both: the share kept by both
         print(f"| {n} | {full:.3f} s | {half:.3f} s ({full / half:.2f}x) | {overlap:.4f} |")
 
 
