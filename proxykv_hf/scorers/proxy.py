@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 
@@ -23,8 +24,12 @@ def bfloat16_is_fast(device: torch.device) -> bool:
     (elsewhere the CPU emulates bfloat16 and runs slower than float32)."""
     if device.type == "cuda":
         return True
-    if device.type != "cpu":
-        return False
+    return device.type == "cpu" and _cpu_has_bfloat16()
+
+
+@functools.cache
+def _cpu_has_bfloat16() -> bool:
+    """Asked once per process: the mapper asks :func:`bfloat16_is_fast` once per layer."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private in torch.cpu; absent means no
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
