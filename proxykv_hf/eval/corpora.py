@@ -11,6 +11,8 @@ corpus          split  what                                                 inst
 ``pydocs``      train  the Python documentation's reStructuredText sources  ``apt-get install python3.11-doc``; PSF-2.0
 ``pycode``      train  the Python standard library's own ``.py`` modules    ships with CPython; PSF-2.0
 ``filler-train`` train plain everyday sentences, repeated (written here)   none; Apache-2.0 (this project)
+``repeats-train`` train the same sentences as one block, one sentence or   none; Apache-2.0 (this project)
+                       a short story repeated in order (written here)
 ``readmes``     dev    the long descriptions (PyPI pages) of the            ``pip install -e .[test]``; each
                        distributions ``pip install -e .[test]`` brings      package's own (MIT, BSD, Apache-2.0, ...)
 ``filler-dev``  dev    plain everyday sentences, repeated (written here)    none; Apache-2.0 (this project)
@@ -281,6 +283,33 @@ _FILLER_TEST = (
 )
 
 
+_STORIES_TRAIN = (
+    "Mia packed a lunch and walked to the lake. She sat on a bench and fed the ducks. When the sun went down she "
+    "walked home again.",
+    "The baker woke before dawn. He mixed the dough, lit the oven and waited. By six the shop smelled of fresh rolls.",
+    "A small boat left the harbor at noon. The sea was calm and the sky was clear. The crew sang as they sailed.",
+    "Grandpa fixed the old radio on Sunday. It crackled, then played a song. Everyone in the kitchen clapped.",
+)
+
+
+def _repeats(sentences: tuple[str, ...], stories: tuple[str, ...], seed: str) -> Callable[[], list[str]]:
+    """Filler as people write it by hand for needle tests: each document repeats, in order, one block of 2-6
+    sentences, one sentence, or one short story."""
+    def load() -> list[str]:
+        import random
+
+        rng = random.Random(seed)
+        docs = []
+        for i in range(48):
+            kind = i % 3
+            block = (" ".join(rng.sample(sentences, rng.randint(2, 6))) if kind == 0 else
+                     rng.choice(sentences) if kind == 1 else rng.choice(stories))
+            n = len(split_units(block, sentences=True))
+            docs.append(" ".join([block] * (400 // n)))
+        return docs
+    return load
+
+
 def _filler(sentences: tuple[str, ...], seed: str) -> Callable[[], list[str]]:
     def load() -> list[str]:
         import random
@@ -298,6 +327,10 @@ for _corpus in (
     Corpus(name="filler-train", split="train", description="plain everyday sentences (training set)",
            licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_TRAIN, "train"),
            joiner=" "),
+    Corpus(name="repeats-train", split="train",
+           description="plain sentences as one block, one sentence or a short story repeated (training set)",
+           licence="Apache-2.0 (this project)", install="(built in)",
+           load=_repeats(_FILLER_TRAIN, _STORIES_TRAIN, "train"), joiner=" "),
     Corpus(name="readmes", split="dev", description="long descriptions of the installed Python distributions",
            licence="each distribution's own (see its METADATA)", install="pip install -e '.[test]'", load=_readmes),
     Corpus(name="filler-dev", split="dev", description="plain everyday sentences (dev set)",
