@@ -9,7 +9,8 @@ Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run. Printed
 (:func:`proxykv_hf.eval.report.interval_tables`): every method's accuracy % per keep ratio, its mean over the
 ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, and a table per
 task. ``--plot`` draws the first file's accuracy against keep ratio; ``--merge`` reads all files as one run;
-``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same samples).
+``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same samples);
+``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from proxykv_hf.eval.report import interval_tables, plot
+from proxykv_hf.eval.report import interval_tables, paired_difference, plot
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", action="store_true", help="read all files as one run (e.g. two budgets' records)")
     p.add_argument("--methods", nargs="+", default=None, help="only these methods (the full cache is always kept)")
     p.add_argument("--samples", type=int, default=None, help="only the first N samples of each task and length")
+    p.add_argument("--paired", nargs=2, metavar=("A", "B"), default=None,
+                   help="also print method A's mean minus method B's, paired over the same samples, with its interval")
     ns = p.parse_args(argv)
     runs = [[json.loads(line) for path in ns.files for line in open(path) if line.strip()]] if ns.merge else \
         [[json.loads(line) for line in open(path) if line.strip()] for path in ns.files]
@@ -38,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [[r for r in records if r["method"] in {"full", *ns.methods}] for records in runs]
     for i, records in enumerate(runs):
         print(interval_tables(records, ns.split, ns.n_boot))
+        if ns.paired:
+            a, b = ns.paired
+            diff, lo, hi = paired_difference(records, a, b, n_boot=ns.n_boot)
+            print(f"{a} - {b}: {diff:+.1f} points (95% interval {lo:+.1f} to {hi:+.1f}), paired over the same samples\n")
         if i == 0 and ns.plot:
             plot(records, ns.plot)
     return 0

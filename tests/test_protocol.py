@@ -12,7 +12,7 @@ from proxykv_hf import ProxyKVCache
 from proxykv_hf.eval import corpora, realtext, splits
 from proxykv_hf.eval.harness import EvalConfig
 from proxykv_hf.eval.metrics import score_sample
-from proxykv_hf.eval.report import bootstrap, interval_tables
+from proxykv_hf.eval.report import bootstrap, interval_tables, paired_difference
 from proxykv_hf.eval.tasks import family_of, generate, task_fn
 from proxykv_hf.scorers.base import LayerInputs, Prompt
 from proxykv_hf.scoring import attention_sums
@@ -177,6 +177,19 @@ def test_bootstrap_intervals():
     assert "5 samples (2 tasks x 2-3)" in interval_tables(uneven, "dev", n_boot=20)
 
 
+def test_paired_difference():
+    # b beats a on exactly one sample of four: +25 points; pairing keeps every draw's difference in [0, 100]
+    recs = _records({"a": [1, 0, 1, 0], "b": [1, 1, 1, 0]})
+    diff, lo, hi = paired_difference(recs, "b", "a", n_boot=200)
+    assert diff == pytest.approx(25.0) and 0.0 <= lo < 25.0 < hi <= 100.0
+    assert paired_difference(recs, "a", "a", n_boot=20) == (0.0, 0.0, 0.0)
+    # only the keep ratios both methods have count
+    extra = _records({"a": [0, 0, 0, 0]}, ratio=0.5)
+    assert paired_difference(recs + extra, "b", "a", n_boot=20)[0] == pytest.approx(25.0)
+    with pytest.raises(ValueError, match="share no keep ratio"):
+        paired_difference(recs, "a", "missing", n_boot=20)
+
+
 def test_statistic_scorer_matches_a_hand_computation():
     torch.manual_seed(0)
     B, H, H_kv, T, D = 1, 4, 2, 12, 8
@@ -263,6 +276,8 @@ def test_results_tables_script(tmp_path, capsys):
     assert module.main([str(data), "--n-boot", "50", "--samples", "2"]) == 0  # the first two samples only
     out = capsys.readouterr().out
     assert "| KVzip | 100.0 | 100.0 [" in out and "ProxyKV / KVzip: 50%" in out
+    assert module.main([str(data), "--n-boot", "50", "--paired", "kvzip", "proxykv"]) == 0
+    assert "kvzip - proxykv: +33.3 points (95% interval" in capsys.readouterr().out
 
 
 def test_texts_from_tasks_keeps_to_the_train_split():

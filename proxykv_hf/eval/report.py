@@ -151,15 +151,9 @@ def plot(records: list[dict], path: str | Path) -> Path | None:
     return Path(path)
 
 
-def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Task-balanced mean accuracy per ``(method, keep_ratio)`` with a 95% bootstrap interval over samples.
-
-    A replicate redraws, within each task, that task's samples with replacement (every method and ratio sees the
-    same draw, so differences between methods are paired), then averages over samples and over tasks. Returns
-    ``{"n": {task: samples}, "cells": {(method, ratio): (mean, lo, hi)}, "mean_over_ratios": {method: (mean, lo,
-    hi)}, "proxykv_vs_kvzip": (ratio, lo, hi) or None}``; the last two use the keep ratios below 1.0 that both
-    methods share (ProxyKV's mean accuracy over them divided by KVzip's).
-    """
+def _replicates(records: list[dict], n_boot: int, seed: int):
+    """``(columns, tasks' sample counts, point means (C,), bootstrap means (n_boot, C))`` of :func:`bootstrap`,
+    one column per ``(method, keep_ratio)``."""
     import numpy as np
 
     columns = sorted({(r["method"], r["keep_ratio"]) for r in records})
@@ -182,6 +176,22 @@ def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict
             idx = rng.integers(0, len(m), size=(n_boot, len(m)))
             reps += np.nanmean(m[idx], axis=1)  # (n_boot, C)
     reps /= len(tasks)
+    return columns, {t: len(units[t]) for t in tasks}, point, reps
+
+
+def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Task-balanced mean accuracy per ``(method, keep_ratio)`` with a 95% bootstrap interval over samples.
+
+    A replicate redraws, within each task, that task's samples with replacement (every method and ratio sees the
+    same draw, so differences between methods are paired), then averages over samples and over tasks. Returns
+    ``{"n": {task: samples}, "cells": {(method, ratio): (mean, lo, hi)}, "mean_over_ratios": {method: (mean, lo,
+    hi)}, "proxykv_vs_kvzip": (ratio, lo, hi) or None}``; the last two use the keep ratios below 1.0 that both
+    methods share (ProxyKV's mean accuracy over them divided by KVzip's).
+    """
+    import numpy as np
+
+    columns, n, point, reps = _replicates(records, n_boot, seed)
+    col = {c: i for i, c in enumerate(columns)}
 
     def interval(values: np.ndarray, at: float) -> tuple[float, float, float]:
         lo, hi = np.nanpercentile(values, [2.5, 97.5]) if np.isfinite(values).any() else (np.nan, np.nan)
@@ -201,8 +211,29 @@ def bootstrap(records: list[dict], *, n_boot: int = 1000, seed: int = 0) -> dict
         k = [col[("kvzip", r)] for r in shared]
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = interval(reps[:, p].mean(1) / reps[:, k].mean(1), point[p].mean() / point[k].mean())
-    return {"n": {t: len(units[t]) for t in tasks}, "cells": cells, "mean_over_ratios": over,
-            "proxykv_vs_kvzip": rel}
+    return {"n": n, "cells": cells, "mean_over_ratios": over, "proxykv_vs_kvzip": rel}
+
+
+def paired_difference(records: list[dict], a: str, b: str, *, n_boot: int = 1000, seed: int = 0
+                      ) -> tuple[float, float, float]:
+    """Method ``a``'s mean accuracy over the keep ratios below 1.0 that both share, minus method ``b``'s, in points,
+    with its 95% interval over the same paired bootstrap draws as :func:`bootstrap`: ``(difference, lo, hi)``.
+
+    Raises:
+        ValueError: a method has no records, or the two share no keep ratio below 1.0.
+    """
+    import numpy as np
+
+    columns, _, point, reps = _replicates(records, n_boot, seed)
+    ratios = {m: {r for c, r in columns if c == m and r < 1.0} for m in (a, b)}
+    shared = sorted(ratios[a] & ratios[b])
+    if not shared:
+        raise ValueError(f"methods {a!r} and {b!r} share no keep ratio below 1.0 in these records")
+    ia = [columns.index((a, r)) for r in shared]
+    ib = [columns.index((b, r)) for r in shared]
+    diff = 100 * (reps[:, ia].mean(1) - reps[:, ib].mean(1))
+    lo, hi = np.nanpercentile(diff, [2.5, 97.5])
+    return float(100 * (point[ia].mean() - point[ib].mean())), float(lo), float(hi)
 
 
 _ORDER = ("kvzip", "proxykv", "attn_novelty", "attn_max", "attn_sum", "snapkv", "streaming", "random", "kvzip_iam")
