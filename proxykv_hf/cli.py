@@ -305,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
     p.add_argument("--proxy-device", default=None, help="device of the proxy and mapper (e.g. cuda:1); default: "
                    "the target's")
+    p.add_argument("--compile-mapper", action="store_true",
+                   help="ProxyKV: compile the mapper's time encoder with torch.compile (warm-up runs pay for it)")
     p.add_argument("--out", default=None, help="directory for the table, plot and JSON")
     p.set_defaults(fn=cmd_bench)
     return parser

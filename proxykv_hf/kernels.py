@@ -160,9 +160,19 @@ if triton is not None:
             tl.store(OUT_MAX + bh * T + offs_n, top, mask=offs_n < T)
 
 
+def default_tiles(head_dim: int) -> dict:
+    """Launch settings of both passes for a head dimension: ``block_m``, ``block_n`` (query and key tiles),
+    ``num_warps`` and ``num_stages``; the fastest of a sweep on an H200 at 32k (docs/performance.md)."""
+    if head_dim <= 64:
+        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(block_m=128, block_n=128, num_warps=4, num_stages=2)
+    return dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
 def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float,
                           query_valid: torch.Tensor | None = None, *, block_m: int | None = None,
-                          block_n: int | None = None, num_warps: int = 4,
+                          block_n: int | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, with_max: bool = False,
                           lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused causal attention column sums (queries at the last ``Q`` of the ``T`` key positions).
@@ -172,14 +182,11 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
         key: `(B, H_kv, T, D)` with ``T >= Q``; ``H`` a multiple of ``H_kv``.
         scaling: softmax scale.
         query_valid: `(B, Q)` bool or float weights; rows of invalid queries add nothing.
-        block_m, block_n: query and key tile sizes (powers of two, >= 16); default 128 (64 for head dims above
-            128).
-        num_warps, num_stages: Triton launch settings; default stages 3 for head dims up to 64, else 2.
+        block_m, block_n: query and key tile sizes (powers of two, >= 16).
+        num_warps, num_stages: Triton launch settings. Each None takes :func:`default_tiles`'s value.
         with_max: also return each key's maximum probability over the queries other than its own position.
         lse: `(B, H, Q)` natural-log log-sum-exp of each query row's scaled causal logits, as flash attention
             returns it (:func:`flash_attention_with_lse`): pass 1 is skipped.
-
-    The default tiles are the fastest of the sweep in docs/performance.md.
 
     Returns:
         float32 sums `(B, H, T)`, or ``(sums, maxima)`` with ``with_max``.
@@ -196,9 +203,9 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
         query = query.contiguous()
     if key.stride(-1) != 1:
         key = key.contiguous()
-    block_m = block_m or (128 if D <= 128 else 64)
-    block_n = block_n or (128 if D <= 128 else 64)
-    num_stages = num_stages or (3 if D <= 64 else 2)
+    tiles = default_tiles(D)
+    block_m, block_n = block_m or tiles["block_m"], block_n or tiles["block_n"]
+    num_warps, num_stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     out = torch.empty(B, H, T, dtype=torch.float32, device=query.device)
     top = torch.empty_like(out) if with_max else None
     valid = None if query_valid is None else query_valid.to(device=query.device, dtype=torch.float32).contiguous()

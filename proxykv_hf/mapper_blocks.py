@@ -86,10 +86,6 @@ class ConvStem(nn.Module):
 class TimeEncoder(nn.Module):
     """Stage 2 on one window. ``(B, W, d_time)`` -> ``(B, W, d_time)``; positions count real tokens only."""
 
-    # device types whose eval-mode encoder runs through :meth:`encode_sdpa` (faster there, same output); elsewhere
-    # (GPUs) the module's own forward
-    SDPA_DEVICES: tuple[str, ...] = ("cpu",)
-
     def __init__(self, config: MapperConfig) -> None:
         super().__init__()
         self.kind = config.time_encoder
@@ -116,7 +112,7 @@ class TimeEncoder(nn.Module):
             pad = ~valid
             pad = pad & ~pad.all(1, keepdim=True)  # all-padding windows attend freely: finite, ignored later
         z = z + sinusoidal_encoding(positions, z.shape[-1]).to(z.dtype)
-        if not self.training and z.device.type in self.SDPA_DEVICES:
+        if not self.training:
             return self.encode_sdpa(z, pad)
         return self.encoder(z, src_key_padding_mask=pad)
 
@@ -124,8 +120,9 @@ class TimeEncoder(nn.Module):
         """The encoder's eval-mode forward on its own weights, with attention through
         ``F.scaled_dot_product_attention`` (pre-norm layers, GELU, no dropout).
 
-        Equal to the module's own forward within float rounding. Used on :attr:`SDPA_DEVICES` (the CPU), where
-        ``nn.TransformerEncoder``'s fused path computes attention as batched matmuls and a separate softmax.
+        Equal to the module's own forward within float rounding, and faster in eval mode on the CPU (where
+        ``nn.TransformerEncoder``'s fused path computes attention as batched matmuls and a separate softmax) and on
+        a GPU (where its path under autocast launches more element-wise kernels; docs/performance.md).
 
         Args:
             z: ``(B, W, d_time)`` window inputs with positions added.

@@ -3,8 +3,9 @@
 #
 # How to run me (one CUDA GPU, the package installed with a CUDA build of torch):
 #   bash scripts/gpu_benchmarks.sh quick OUT_DIR    # GPU tests, then 32k only: Llama full / KVzip / ProxyKV and Qwen
-#                                                   # full / ProxyKV (the speed targets, in about 10 minutes)
-#   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the fused-kernel tables (bench_attention_sums.py)
+#                                                   # full / ProxyKV, compiled mapper (the speed targets, ~8 minutes)
+#   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the kernel and mapper tables (bench_attention_sums,
+#                                                   # bench_kernel_tiles, bench_gpu_mapper)
 #   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
 #   KVZIP= bash scripts/gpu_benchmarks.sh llama OUT_DIR          # the same without KVzip (its rows take longest)
 #   bash scripts/gpu_benchmarks.sh qwen OUT_DIR     # Qwen2.5-7B / 1.5B shapes, all five methods -> OUT_DIR/qwen/
@@ -17,18 +18,23 @@ set -uo pipefail
 phase=${1:?give a phase: quick, tests, llama, qwen or long}; out=${2:-bench-out/gpu}; mkdir -p "$out"
 here=$(dirname "$0")
 bench() { python3 -m proxykv_hf.cli bench --dtype bfloat16 --keep-ratio 0.3 "$@"; }
-gpu_tests() { python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_kernels.py tests/test_graph_decode.py; }
+gpu_tests() { python3 -m pytest -q -m gpu tests; }  # every test marked gpu
 case $phase in
   quick)
     gpu_tests
     bench --shape llama-3.1-8b --methods full kvzip proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
-      --out "$out/llama-32k"
+      --compile-mapper --out "$out/llama-32k"   # -> docs/data/gpu_h200_llama_32k.json
     bench --shape qwen2.5-7b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
-      --out "$out/qwen-32k" ;;
+      --compile-mapper --out "$out/qwen-32k" ;;  # -> docs/data/gpu_h200_qwen_32k.json
   tests)
     gpu_tests
     python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536
-    python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536 --statistics sum max ;;
+    python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536 --statistics sum max
+    python3 "$here/bench_kernel_tiles.py" --length 32768 --heads 32 --kv-heads 8 --head-dim 64
+    python3 "$here/bench_kernel_tiles.py" --length 32768 --heads 12 --kv-heads 2 --head-dim 128
+    python3 "$here/bench_kernel_tiles.py" --length 4130 --queries 2078 --heads 32 --kv-heads 8 --head-dim 128 --max
+    python3 "$here/bench_gpu_mapper.py" --shape llama-3.1-8b --lengths 32768
+    python3 "$here/bench_gpu_mapper.py" --shape qwen2.5-7b --lengths 32768 ;;
   llama)
     bench --shape llama-3.1-8b --methods full snapkv ${KVZIP-kvzip} proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/llama" ;;

@@ -92,11 +92,13 @@ def _under_interpreter(args: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
 def test_interpreter_matches_reference():
-    """Triton's CPU interpreter runs the same kernel code."""
+    """Triton's CPU interpreter runs the same kernel code (KVzip's fused scores too)."""
     script = textwrap.dedent("""
         import torch, tests.test_kernels as t
         t._compare("cpu", torch.float32, 1e-4)
         t._compare_flash("cpu", torch.float32, 1e-4)
+        import tests.test_kvzip as z
+        z.compare_fused_scores("cpu", torch.float32, 1e-5)
         print("ok")
     """)
     done = _under_interpreter(["-c", script])
@@ -111,6 +113,16 @@ def test_interpreter_end_to_end():
     done = _under_interpreter(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_proxykv.py", "-k",
                                "fused_with_the_attention"])
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
+def test_interpreter_kvzip_end_to_end():
+    """With the fused kernels on, KVzip's scores (its repeat queries' maxima from the kernels' second pass) still
+    equal the by-hand reference, for any chunking, and a padded batch still equals its rows alone."""
+    done = _under_interpreter(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kvzip.py", "-k",
+                               "llama and scores_equal_naive_reference or any_chunking or rows_alone"])
+    assert done.returncode == 0 and " passed" in done.stdout and "failed" not in done.stdout, \
+        done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.mark.gpu

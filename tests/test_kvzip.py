@@ -312,3 +312,51 @@ def test_unpadded_repeat_attention_is_said_causal(tok, lengths, monkeypatch):
     monkeypatch.setattr(kvzip_module._LayerCall, "before", lambda self, module, mask, query, key: mask)
     dense = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
     torch.testing.assert_close(got, dense, rtol=0, atol=1e-6)
+
+
+FUSED_CASES = [  # R, H, H_kv, T, Q, D, n_sink, chunk start, chunk length, padded repeat queries in the last row
+    (1, 4, 2, 50, 30, 32, 4, 16, 16, 0),
+    (2, 4, 1, 70, 45, 16, 3, 40, 25, 5),
+    (1, 2, 2, 20, 12, 64, 0, 0, 8, 0),
+    (1, 8, 2, 300, 170, 64, 4, 128, 150, 0),  # several key and query tiles of the default 128
+]
+
+
+def compare_fused_scores(device: str, dtype: torch.dtype, atol: float) -> None:
+    """A chunk's scores through the fused kernels equal the PyTorch blocks' (GQA, sinks, padded repeat queries)."""
+    torch.manual_seed(0)
+    for R, H, H_kv, T, Q, D, n_sink, start, length, padded in FUSED_CASES:
+        rep_valid = torch.ones(R, Q, dtype=torch.bool, device=device)
+        rep_valid[-1, Q - padded:] = False
+        record = kvzip_module._ChunkRecorder(
+            T=T, n_sink=n_sink, pad=torch.zeros(R, dtype=torch.long, device=device),
+            starts=torch.full((R,), start, device=device), lengths=torch.full((R,), length, device=device),
+            rep_valid=rep_valid, dtype=torch.float32)
+        assert record.fusable and kvzip_module.kernels.available(torch.empty(0, device=device))
+        q = torch.randn(R, H, Q, D, device=device).to(dtype)
+        k = torch.randn(R, H_kv, T + Q, D, device=device).to(dtype)
+        fused = record.score(q, k, D**-0.5)
+        record.fusable = False
+        reference = record.score(q, k, D**-0.5)
+        assert fused.shape == reference.shape == (R, H_kv, length) and fused.dtype == torch.float32
+        torch.testing.assert_close(fused, reference, rtol=1e-3, atol=atol)
+        assert float(reference.amax()) > 0.05  # not all (near) zero
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
+def test_gpu_fused_scores_equal_the_reference(dtype, atol):
+    compare_fused_scores("cuda", dtype, atol)
+
+
+def test_fused_scores_only_where_they_are_exact(tok):
+    """A softmax in another dtype, or context columns past a short chunk (padded batches), keep the PyTorch path."""
+    def record(dtype, lengths):
+        return kvzip_module._ChunkRecorder(T=40, n_sink=2, pad=torch.zeros(2, dtype=torch.long),
+                                           starts=torch.tensor([8, 8]), lengths=torch.tensor(lengths),
+                                           rep_valid=torch.ones(2, 30, dtype=torch.bool), dtype=dtype)
+
+    assert record(torch.float32, [16, 16]).fusable
+    assert not record(torch.bfloat16, [16, 16]).fusable
+    assert not record(torch.float32, [16, 10]).fusable

@@ -386,3 +386,33 @@ def test_mapper_precision_follows_the_device(tmp_path, target, monkeypatch):
                for r in range(a.shape[0]) for h in range(a.shape[1]))
     total = sum(a.numel() for a in full)
     assert same / total > 0.75, same / total  # ~0.3 by chance; a random tiny mapper's scores are close together
+
+
+def test_compile_mapper_compiles_the_encoder_forward_only(tmp_path):
+    """``compile_mapper=True`` wraps the time encoder's forward in ``torch.compile`` (once, however many scorers
+    share the checkpoint), leaves the state dict's keys alone, and refuses a non-bool."""
+    from proxykv_hf.scorers.proxy import ProxyScorer
+
+    _, ckpt = make_checkpoint(tmp_path, "self")
+    keys = list(ckpt.mapper.state_dict())
+    assert not hasattr(ProxyScorer(ckpt).mapper.time_encoder.forward, "_torchdynamo_orig_callable")
+    compiled = ProxyScorer(ckpt, compile_mapper=True).mapper.time_encoder.forward
+    assert hasattr(compiled, "_torchdynamo_orig_callable")
+    assert ProxyScorer(ckpt, compile_mapper=True).mapper.time_encoder.forward is compiled  # not wrapped twice
+    assert list(ckpt.mapper.state_dict()) == keys
+    with pytest.raises(ValueError, match="compile_mapper must be a bool"):
+        ProxyScorer(ckpt, compile_mapper="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_mapper_gives_the_same_logits():
+    """On a GPU the compiled encoder's logits equal the eager ones (bfloat16 autocast, windows and layer batches)."""
+    config = MapperConfig.tiny(num_proxy_layers=3, num_proxy_heads=4, num_target_layers=6, num_target_heads=2)
+    mapper = HybridAxialMapper(config).cuda().eval()
+    x = torch.rand(2, 3, 4, 300, device="cuda") * 3
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = mapper(x).float()
+        mapper.time_encoder.forward = torch.compile(mapper.time_encoder.forward)
+        compiled = mapper(x).float()
+    torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)

@@ -61,3 +61,10 @@ def test_bench_cpu_mapper_prints_one_row_per_length():
     assert [r.split(" | ")[0] for r in rows] == ["| 96", "| 160"]
     overlaps = [float(r.rstrip(" |").split(" | ")[-1]) for r in rows]
     assert all(0.5 < o <= 1.0 for o in overlaps), overlaps  # bfloat16 rounding moves few of the kept tokens
+
+
+@pytest.mark.parametrize("script", ["bench_kernel_tiles.py", "bench_gpu_mapper.py", "bench_attention_sums.py"])
+def test_gpu_scripts_parse_their_arguments(script):
+    """The GPU-only scripts import and parse their arguments without a GPU (they run on one: gpu_benchmarks.sh)."""
+    done = run(script, "--help")
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-3000:]

@@ -32,7 +32,8 @@ def _scorers(ns, model, tok, tmp: str):
     proxy = getattr(ns, "_proxy_model", None)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
                             proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None),
-                            layer_mix=getattr(ns, "layer_mix", None))
+                            layer_mix=getattr(ns, "layer_mix", None),
+                            compile_mapper=getattr(ns, "compile_mapper", False))
     scorers = {method: registry.build(method, context) for method in names}
     runner = scorers.get("proxykv")
     if isinstance(runner, ProxyScorer):
@@ -121,6 +122,7 @@ def run_bench(ns) -> int:
                                                                    ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
     env = environment(model)
     env["shape"] = ns.shape
+    env["compile_mapper"] = bool(getattr(ns, "compile_mapper", False))
     print(table(rows))
     if ns.out:
         out = Path(ns.out)

@@ -22,7 +22,10 @@ Differences from kvpress's ``KVzipPress`` (and the reference, which kvpress foll
 * the whole prompt is chunked from its first real token; kvpress skips the chat-template prefix (its tokens past
   ``n_sink`` keep score 0). Our prompt may or may not start with a template, so every real token is scored. The
   sink keys are kvpress's first ``n_sink`` tokens (the reference uses its whole system prompt);
-* softmax in float32 (``dtype`` changes it); kvpress and the reference use the model dtype (bf16);
+* softmax in float32 (``dtype`` changes it); kvpress and the reference use the model dtype (bf16). On a GPU with
+  Triton the float32 softmax of every chunk whose columns are all real runs in the fused kernels of
+  :mod:`proxykv_hf.kernels` (the model's own q and k in the tensor cores, float32 accumulation), never writing
+  the probabilities;
 * the softmax scale is the layer's own ``scaling`` (``1/sqrt(D)`` except Gemma3's ``query_pre_attn_scalar``);
   kvpress always uses ``1/sqrt(D)``;
 * batches: chunk boundaries are computed per row on its real tokens; the rows' repeat inputs are padded on the
@@ -44,7 +47,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .. import attention
+from .. import attention, kernels
 from .base import ModelScorer, Prompt
 
 logger = logging.getLogger(__name__)
@@ -344,7 +347,16 @@ class _ChunkRecorder:
         ctx_ok = torch.cat([torch.ones_like(sink_pos, dtype=torch.bool), chunk_ok], dim=1)  # (R, S + L_max)
         # True on context columns past a short chunk (padded batches only); None when every column is real
         self.ctx_masked = None if bool(ctx_ok.all()) else ~ctx_ok[:, None, None, None, :]
+        # every context column real and a float32 softmax: the fused kernels compute the same scores where they run
+        self.fusable = self.ctx_masked is None and dtype == torch.float32
         self.scores: dict[int, torch.Tensor] = {}
+
+    def _keys(self, key: torch.Tensor) -> torch.Tensor:
+        """`(R, H_kv, T + Q, D)` -> the keys of the softmax, `(R, H_kv, S + L_max + Q, D)`: the sinks, the chunk,
+        the repeat keys."""
+        R, H_kv, _, D = key.shape
+        idx = self.index[:, None, :, None].expand(R, H_kv, self.index.shape[1], D)
+        return torch.cat([key[:, :, :self.T].gather(2, idx), key[:, :, self.T:]], dim=2)
 
     def score(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         """Max over queries and group of softmax(q k^T) over [sinks, chunk, repeat (causal)], chunk columns only.
@@ -353,17 +365,22 @@ class _ChunkRecorder:
             query: `(R, H, Q, D)` repeat queries (after RoPE).
             key: `(R, H_kv, T + Q, D)` context keys followed by the repeat keys.
 
-        The queries go in blocks of ``_QUERY_BLOCK``; a block's logits stop at its last query's own key (every later
-        repeat key is masked for all of its queries), and the softmax is normalised in place.
+        Where the fused kernels run (:attr:`fusable`, a GPU with Triton): the repeat queries see the softmax's keys
+        as a causal prompt whose last ``Q`` positions they hold, so the kernels' per-key maximum over the queries
+        (:func:`kernels.causal_attention_sums`) is the score of each chunk column, in two tiled passes that never
+        write the probabilities. Elsewhere the queries go in blocks of ``_QUERY_BLOCK``; a block's logits stop at
+        its last query's own key (every later repeat key is masked for all of its queries), and the softmax is
+        normalised in place.
         """
         R, H, Q, D = query.shape
         H_kv = key.shape[1]
         G = H // H_kv
         S, L = self.n_sink, self.index.shape[1] - self.n_sink
         n_ctx = S + L
-        idx = self.index[:, None, :, None].expand(R, H_kv, n_ctx, D)
-        keys = torch.cat([key[:, :, :self.T].gather(2, idx), key[:, :, self.T:]], dim=2).to(self.dtype)  # (R,H_kv,N,D)
-        keys_t = keys.transpose(-1, -2)  # (R, H_kv, D, N)
+        if self.fusable and kernels.available(query):
+            _, top = kernels.causal_attention_sums(query, self._keys(key), scaling, self.rep_valid, with_max=True)
+            return top[:, :, S:n_ctx].view(R, H_kv, G, L).amax(2)  # chunk columns, max over the group
+        keys_t = self._keys(key).to(self.dtype).transpose(-1, -2)  # (R, H_kv, D, S + L + Q)
         best = torch.zeros(R, H_kv, L, dtype=self.dtype, device=query.device)
         for q0 in range(0, Q, _QUERY_BLOCK):
             q1 = min(q0 + _QUERY_BLOCK, Q)

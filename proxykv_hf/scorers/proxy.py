@@ -69,12 +69,17 @@ class ProxyScorer(BackgroundScorer):
             ``"layer"`` (standardised per layer and row over its heads' real tokens).
         fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
             :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
+        compile_mapper: compile the mapper's time encoder with ``torch.compile`` (its forward; the weights and the
+            state dict stay as they are). On a GPU it fuses the encoder's element-wise work (docs/performance.md);
+            the first calls pay the compilation (seconds to a minute), so it pays for long-running processes.
     """
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
                  n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
                  pool_kernel: int | None = None, layer_mix: float | None = None, global_norm: str = "none",
-                 fused: FusedStatistics | None = None):
+                 fused: FusedStatistics | None = None, compile_mapper: bool = False):
+        if not isinstance(compile_mapper, bool):
+            raise ValueError(f"compile_mapper must be a bool, got {compile_mapper!r}")
         self.checkpoint = checkpoint
         self.spec = checkpoint.proxy
         if self.spec.kind == "model" and proxy_model is None:
@@ -94,6 +99,9 @@ class ProxyScorer(BackgroundScorer):
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
                                                                                                 "pool_kernel")
         self.layer_mix = checkpoint.layer_mix if layer_mix is None else check_layer_mix(layer_mix)
+        encoder = checkpoint.mapper.time_encoder
+        if compile_mapper and not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
+            encoder.forward = torch.compile(encoder.forward)
         self._mixer = LayerMixer(self.layer_mix)
         self._earlier: dict[int, torch.Tensor] = {}  # a self proxy's last layers' features (direct_context)
         self._same_device = True

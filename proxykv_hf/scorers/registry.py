@@ -46,6 +46,7 @@ class ScorerContext:
         layer_mix: ProxyKV's mixing of each layer's scores with the earlier layers' (``ProxyScorer``); None: the
             checkpoint's.
         global_norm: how ProxyKV's scores are compared across layers under the global budget (``ProxyScorer``).
+        compile_mapper: compile ProxyKV's mapper encoder (``ProxyScorer``).
         extra: anything a registered third-party builder wants.
     """
 
@@ -61,6 +62,7 @@ class ScorerContext:
     pool_kernel: int | None = None
     layer_mix: float | None = None
     global_norm: str = "none"
+    compile_mapper: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -172,7 +174,7 @@ def _proxykv(ctx: ScorerContext) -> Scorer:
         raise ValueError("method 'proxykv' needs a mapper checkpoint (--mapper)")
     return ProxyScorer.from_pretrained(ctx.mapper, proxy=ctx.proxy, proxy_device=ctx.proxy_device,
                                        pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix,
-                                       global_norm=ctx.global_norm)
+                                       global_norm=ctx.global_norm, compile_mapper=ctx.compile_mapper)
 
 
 def _statistic(name: str) -> Callable[[ScorerContext], Scorer]:
