@@ -80,10 +80,34 @@ def test_bench_tiny(tmp_path, capsys):
     assert set(kvzip) == {"target", "repeat", "scoring", "total"} and kvzip["repeat"] > kvzip["target"]
     assert snap["flops"]["statistics"] > 0 and all(r["flops"]["total"] == sum(v for k, v in r["flops"].items()
                                                                              if k != "total") for r in rows)
+    assert json.loads(captured.out.strip().splitlines()[-1])["env"]["compile_mapper"] is False
     md = (tmp_path / "bench.md").read_text().splitlines()
     cells = {tuple(c.strip() for c in line.split("|")[1:3]): line.split("|")[5].strip() for line in md[2:]}
     assert md[0].split("|")[5].strip() == "FLOPs / full" and all(len(line.split("|")) == 13 for line in md)
     assert cells[("64", "full")] == "1.00" and float(cells[("64", "proxykv")]) > 1 and float(cells[("64", "kvzip")]) > 2
+
+
+def test_bench_compile_mapper_reaches_the_scorer(tmp_path, capsys, monkeypatch):
+    """``--compile-mapper`` hands the ProxyKV scorer ``compile_mapper=True`` (its encoder's forward goes through
+    ``torch.compile``, replaced here by a marker so that the test does not compile) and the JSON records it."""
+    import torch
+
+    compiled = []
+
+    def fake_compile(fn):
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        wrapper._torchdynamo_orig_callable = fn
+        compiled.append(fn)
+        return wrapper
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    main(["bench", "--tiny", "--methods", "full", "proxykv", "--context-lengths", "64", "--repeats", "1",
+          "--warmup", "0", "--decode-tokens", "0", "--compile-mapper"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["env"]["compile_mapper"] is True and len(compiled) == 1
+    assert type(compiled[0].__self__).__name__ == "TimeEncoder" and compiled[0].__name__ == "forward"
 
 
 @pytest.mark.slow  # a whole command on a tiny model
