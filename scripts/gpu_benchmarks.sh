@@ -5,7 +5,7 @@
 #   bash scripts/gpu_benchmarks.sh quick OUT_DIR    # GPU tests, then 32k only: Llama full / KVzip / ProxyKV and Qwen
 #                                                   # full / ProxyKV, compiled mapper (the speed targets, ~8 minutes)
 #   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the kernel and mapper tables (bench_attention_sums,
-#                                                   # bench_kernel_tiles, bench_gpu_mapper)
+#                                                   # bench_kernel_tiles, bench_gpu_mapper, bench_attention_lse)
 #   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
 #   KVZIP= bash scripts/gpu_benchmarks.sh llama OUT_DIR          # the same without KVzip (its rows take longest)
 #   bash scripts/gpu_benchmarks.sh qwen OUT_DIR     # Qwen2.5-7B / 1.5B shapes, all five methods -> OUT_DIR/qwen/
@@ -34,7 +34,8 @@ case $phase in
     python3 "$here/bench_kernel_tiles.py" --length 32768 --heads 12 --kv-heads 2 --head-dim 128
     python3 "$here/bench_kernel_tiles.py" --length 4130 --queries 2078 --heads 32 --kv-heads 8 --head-dim 128 --max
     python3 "$here/bench_gpu_mapper.py" --shape llama-3.1-8b --lengths 32768
-    python3 "$here/bench_gpu_mapper.py" --shape qwen2.5-7b --lengths 32768 ;;
+    python3 "$here/bench_gpu_mapper.py" --shape qwen2.5-7b --lengths 32768
+    python3 "$here/bench_attention_lse.py" --lengths 8192 32768 ;;
   llama)
     bench --shape llama-3.1-8b --methods full snapkv ${KVZIP-kvzip} proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/llama" ;;
