@@ -168,7 +168,8 @@ def test_kernels_compile_for_an_h100(dtype, head_dim):
     if not (os.path.exists(ptxas) or shutil.which("ptxas")):
         pytest.skip("no ptxas")
     ints = dict.fromkeys(["sqb", "sqh", "sqm", "skb", "skh", "skn", "H", "G", "Q_LEN", "T", "OFFSET"], "i32")
-    shape = dict(D=head_dim, D_PAD=head_dim, BLOCK_M=128, BLOCK_N=128, IEEE=dtype == "fp32")
+    tiles = kernels.default_tiles(head_dim)  # the shipped tiles of this head dimension
+    shape = dict(D=head_dim, D_PAD=head_dim, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["block_n"], IEEE=dtype == "fp32")
     rows = dict(Q=f"*{dtype}", K=f"*{dtype}", LSE="*fp32", **ints, scale_log2="fp32")
     columns = dict(Q=f"*{dtype}", K=f"*{dtype}", LSE="*fp32", VALID="*fp32", OUT="*fp32", OUT_MAX="*fp32", **ints,
                    scale_log2="fp32")
