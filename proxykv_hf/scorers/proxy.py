@@ -69,9 +69,10 @@ class ProxyScorer(BackgroundScorer):
             ``"layer"`` (standardised per layer and row over its heads' real tokens).
         fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
             :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
-        compile_mapper: compile the mapper's time encoder with ``torch.compile`` (its forward; the weights and the
-            state dict stay as they are). On a GPU it fuses the encoder's element-wise work (docs/performance.md);
-            the first calls pay the compilation (seconds to a minute), so it pays for long-running processes.
+        compile_mapper: compile the mapper's time encoder with ``torch.compile`` (its forward, in place on the
+            checkpoint's mapper, so every scorer sharing that checkpoint runs it compiled; the weights and the state
+            dict stay as they are). On a GPU it fuses the encoder's element-wise work (docs/performance.md); the
+            first calls pay the compilation (seconds to a minute), so it pays for long-running processes.
     """
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
