@@ -104,10 +104,12 @@ if triton is not None:
     @triton.jit
     def _column_step(acc, top, k, Q, q_base, LSE, VALID, bh, b, m0, offs_n, offs_d, d_ok, sqm, Q_LEN, T, OFFSET,
                      scale_log2, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_VALID: tl.constexpr,
-                     HAS_MAX: tl.constexpr, IEEE: tl.constexpr):
+                     HAS_MAX: tl.constexpr, IEEE: tl.constexpr, TILE_ACC: tl.constexpr):
         """One query tile of pass 2. Rows past ``Q_LEN`` read a log-sum-exp of +inf, so their probabilities are 0;
         ``MASKED`` hides the keys a row does not see and, for the maximum, the row's own key (only the tiles on
-        the causal diagonal need it)."""
+        the causal diagonal need it). ``TILE_ACC``: ``acc`` and ``top`` are ``(BLOCK_M, BLOCK_N)`` tiles that take
+        each step's probabilities element-wise (reduced over the rows once, at the end), instead of ``(BLOCK_N,)``
+        vectors that take a reduction over the tile's rows at every step."""
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Q_LEN
         q = _tile(Q, q_base, offs_m, Q_LEN, sqm, offs_d, d_ok)
@@ -119,17 +121,24 @@ if triton is not None:
         if HAS_VALID:
             w = tl.load(VALID + b * Q_LEN + offs_m, mask=m_ok, other=0.0)
             p = p * w[:, None]
-        acc += tl.sum(p, 0)
+        if TILE_ACC:
+            acc += p
+        else:
+            acc += tl.sum(p, 0)
         if HAS_MAX:
             if MASKED:
                 p = tl.where(offs_n[None, :] < offs_m[:, None] + OFFSET, p, 0.0)  # strictly before the row's key
-            top = tl.maximum(top, tl.max(p, 0))
+            if TILE_ACC:
+                top = tl.maximum(top, p)
+            else:
+                top = tl.maximum(top, tl.max(p, 0))
         return acc, top
 
     @triton.jit
     def _column_sum_kernel(Q, K, LSE, VALID, OUT, OUT_MAX, sqb, sqh, sqm, skb, skh, skn, H, G, Q_LEN, T, OFFSET,
                            scale_log2, HAS_VALID: tl.constexpr, HAS_MAX: tl.constexpr, D: tl.constexpr,
-                           D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                           D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                           TILE_ACC: tl.constexpr):
         """Pass 2: for one key tile of one query head, the probabilities summed over every query that sees it (and
         with ``HAS_MAX`` their maximum over the queries other than the key's own position)."""
         pid_n = tl.program_id(0)
@@ -142,19 +151,26 @@ if triton is not None:
         d_ok = offs_d < D
         k = _tile(K, b * skb + (h // G) * skh, offs_n, T, skn, offs_d, d_ok)
         q_base = b * sqb + h * sqh
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        top = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if TILE_ACC:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            top = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            top = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = tl.maximum(n0 - OFFSET, 0)  # the first query that can see this tile
         # from query tile ``clean`` on, every row sees the whole key tile and owns none of its keys: no masks
         clean = tl.minimum((tl.maximum(n0 + BLOCK_N - OFFSET, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, Q_LEN)
         for m0 in range((first // BLOCK_M) * BLOCK_M, clean, BLOCK_M):
             acc, top = _column_step(acc, top, k, Q, q_base, LSE, VALID, bh, b, m0, offs_n, offs_d, d_ok, sqm, Q_LEN,
                                     T, OFFSET, scale_log2, BLOCK_M=BLOCK_M, MASKED=True, HAS_VALID=HAS_VALID,
-                                    HAS_MAX=HAS_MAX, IEEE=IEEE)
+                                    HAS_MAX=HAS_MAX, IEEE=IEEE, TILE_ACC=TILE_ACC)
         for m0 in range(clean, Q_LEN, BLOCK_M):
             acc, top = _column_step(acc, top, k, Q, q_base, LSE, VALID, bh, b, m0, offs_n, offs_d, d_ok, sqm, Q_LEN,
                                     T, OFFSET, scale_log2, BLOCK_M=BLOCK_M, MASKED=False, HAS_VALID=HAS_VALID,
-                                    HAS_MAX=HAS_MAX, IEEE=IEEE)
+                                    HAS_MAX=HAS_MAX, IEEE=IEEE, TILE_ACC=TILE_ACC)
+        if TILE_ACC:
+            acc = tl.sum(acc, 0)
+            top = tl.max(top, 0)
         tl.store(OUT + bh * T + offs_n, acc, mask=offs_n < T)
         if HAS_MAX:
             tl.store(OUT_MAX + bh * T + offs_n, top, mask=offs_n < T)
@@ -162,19 +178,21 @@ if triton is not None:
 
 def default_tiles(head_dim: int) -> dict:
     """Launch settings of both passes for a head dimension: ``block_m``, ``block_n`` (query and key tiles),
-    ``num_warps`` and ``num_stages``; the fastest of a sweep on an H200 at 32k (docs/performance.md)."""
+    ``num_warps`` and ``num_stages``, the fastest of a sweep on an H200 at 32k (docs/performance.md); and
+    ``tile_acc``, how pass 2 accumulates (see :func:`causal_attention_sums`)."""
     if head_dim <= 64:
-        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return dict(block_m=128, block_n=64, num_warps=4, num_stages=3, tile_acc=True)
     if head_dim <= 128:
-        return dict(block_m=128, block_n=128, num_warps=4, num_stages=2)
-    return dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+        return dict(block_m=128, block_n=128, num_warps=4, num_stages=2, tile_acc=False)
+    return dict(block_m=64, block_n=64, num_warps=4, num_stages=2, tile_acc=False)
 
 
 def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float,
                           query_valid: torch.Tensor | None = None, *, block_m: int | None = None,
                           block_n: int | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, with_max: bool = False,
-                          lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                          lse: torch.Tensor | None = None,
+                          tile_acc: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused causal attention column sums (queries at the last ``Q`` of the ``T`` key positions).
 
     Args:
@@ -184,6 +202,9 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
         query_valid: `(B, Q)` bool or float weights; rows of invalid queries add nothing.
         block_m, block_n: query and key tile sizes (powers of two, >= 16).
         num_warps, num_stages: Triton launch settings. Each None takes :func:`default_tiles`'s value.
+        tile_acc: pass 2 adds each query tile's probabilities into a ``(block_m, block_n)`` register tile and
+            reduces it over the rows once per key tile (True), or reduces every query tile's probabilities over its
+            rows as it goes (False). The same sums up to float32 rounding order. None: :func:`default_tiles`.
         with_max: also return each key's maximum probability over the queries other than its own position.
         lse: `(B, H, Q)` natural-log log-sum-exp of each query row's scaled causal logits, as flash attention
             returns it (:func:`flash_attention_with_lse`): pass 1 is skipped.
@@ -206,6 +227,7 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     tiles = default_tiles(D)
     block_m, block_n = block_m or tiles["block_m"], block_n or tiles["block_n"]
     num_warps, num_stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
+    tile_acc = tiles["tile_acc"] if tile_acc is None else bool(tile_acc)
     out = torch.empty(B, H, T, dtype=torch.float32, device=query.device)
     top = torch.empty_like(out) if with_max else None
     valid = None if query_valid is None else query_valid.to(device=query.device, dtype=torch.float32).contiguous()
@@ -225,7 +247,7 @@ def causal_attention_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     _column_sum_kernel[(triton.cdiv(T, block_n), B * H)](
         query, key, lse, valid if valid is not None else lse, out, top if with_max else out, *strides, H, H // H_kv,
         Q, T, T - Q, scale_log2, HAS_VALID=valid is not None, HAS_MAX=with_max, BLOCK_M=block_m, BLOCK_N=block_n,
-        **common)
+        TILE_ACC=tile_acc, **common)
     return (out, top) if with_max else out
 
 
@@ -237,8 +259,43 @@ def flash_lse_supported(query: torch.Tensor) -> bool:
     return query.device.type == "cpu"
 
 
+LSE_KERNELS = ("flash", "cudnn")
+LSE_KERNEL = "cudnn"  # what :func:`flash_attention_with_lse` calls on a GPU when not told (docs/performance.md)
+_cudnn_modes: dict[tuple, str | None] = {}  # (device, grouped heads) -> "grouped", "repeated" or None (refused)
+
+
+def _cudnn_op(query, key, value, scaling):
+    """cuDNN's causal attention: ``(output, log-sum-exp)``."""
+    found = torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, True, 0.0, True, False,
+                                                               scale=scaling)
+    return found[0], found[1]
+
+
+def _cudnn_attention_with_lse(query, key, value, scaling):
+    """cuDNN's causal attention with the row log-sum-exp, or None where cuDNN refuses the inputs. Asked once per
+    device (and for grouped key heads apart): grouped heads as they are, else repeated to the query heads."""
+    groups = query.shape[1] // key.shape[1]
+    slot = (query.device, groups > 1)
+    known = slot in _cudnn_modes
+    for mode in [_cudnn_modes[slot]] if known else ["grouped", "repeated"][:1 + (groups > 1)]:
+        if mode is None:
+            return None
+        k, v = (key, value) if mode == "grouped" else (key.repeat_interleave(groups, 1),
+                                                       value.repeat_interleave(groups, 1))
+        try:
+            found = _cudnn_op(query, k, v, scaling)
+        except RuntimeError:
+            if known:  # it ran on this device before: a real failure
+                raise
+            continue
+        _cudnn_modes[slot] = mode
+        return found
+    _cudnn_modes[slot] = None
+    return None
+
+
 def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                             scaling: float, kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Causal self-attention output and each query row's log-sum-exp from one flash-attention call, or None where
     PyTorch's flash kernel does not take these inputs (then run sdpa and :func:`causal_attention_sums` in full).
 
@@ -250,19 +307,26 @@ def flash_attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torc
             at the same ``N`` positions). On a GPU: float16 / bfloat16 and ``D`` a multiple of 8 up to 256; on the
             CPU (what the tests use beside Triton's interpreter): any floating dtype.
         scaling: softmax scale.
+        kernel: on a GPU, ``"flash"`` (PyTorch's FlashAttention-2) or ``"cudnn"`` (cuDNN's attention, which also
+            returns the log-sum-exp; flash's where cuDNN refuses the inputs); None = :data:`LSE_KERNEL`. The CPU
+            has one kernel.
 
     Returns:
         ``(output (B, H, N, D), lse (B, H, N) float32, natural log of the scaled logits' exp-sum)``, or None.
     """
+    kernel = LSE_KERNEL if kernel is None else kernel
+    if kernel not in LSE_KERNELS:
+        raise ValueError(f"kernel must be one of {LSE_KERNELS}, got {kernel!r}")
     B, H, N, D = query.shape
     if (not flash_lse_supported(query) or key.shape[2] != N or value.shape[:3] != key.shape[:3]
             or value.shape[-1] != D or H % key.shape[1] or not key.dtype == value.dtype == query.dtype):
         return None
-    if query.is_cuda:
+    found = _cudnn_attention_with_lse(query, key, value, scaling) if query.is_cuda and kernel == "cudnn" else None
+    if found is None and query.is_cuda:
         found = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, True, False,
                                                                     scale=scaling)
-    else:
+    elif found is None:
         found = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True,
                                                                             scale=scaling)
     out, lse = found[0], found[1]
-    return out, lse[..., :N].float()  # (some flash builds round the rows of the log-sum-exp up)
+    return out, lse.reshape(B, H, -1)[..., :N].float()  # (some builds round the rows up, or add a unit dimension)

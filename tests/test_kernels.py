@@ -30,11 +30,14 @@ def _compare(device, dtype, atol):
         valid = torch.rand(B, Q, device=device) > 0.2
         ref = attention_sums(q, k, None, D**-0.5, query_valid=valid, backend="torch")
         peak = attention_sums(q, k, None, D**-0.5, query_valid=valid, statistics=("max",), backend="torch")
-        for block_m, block_n in BLOCKS:
+        for (block_m, block_n), tile_acc in zip(BLOCKS * 2, [False] * len(BLOCKS) + [True] * len(BLOCKS)):
             got, top = kernels.causal_attention_sums(q, k, D**-0.5, valid, block_m=block_m, block_n=block_n,
-                                                     with_max=True)
+                                                     with_max=True, tile_acc=tile_acc)
             torch.testing.assert_close(got, ref, atol=atol, rtol=1e-3)
             torch.testing.assert_close(top, peak, atol=atol, rtol=1e-3)
+            alone = kernels.causal_attention_sums(q, k, D**-0.5, valid, block_m=block_m, block_n=block_n,
+                                                  tile_acc=tile_acc)
+            torch.testing.assert_close(alone, ref, atol=atol, rtol=1e-3)
         grouped = attention_sums(q, k, None, D**-0.5, query_valid=valid, group_reduce="max", backend="triton")
         torch.testing.assert_close(grouped, ref.view(B, H_kv, H // H_kv, T).amax(2), atol=atol, rtol=1e-3)
         both_ref = attention_sums(q, k, None, D**-0.5, query_valid=valid, statistics=("max", "sum"), backend="torch")
@@ -43,8 +46,9 @@ def _compare(device, dtype, atol):
         assert both_ref[:, :H].amax() > 0.05  # the maxima are not all zero
 
 
-def _compare_flash(device, dtype, atol):
+def _compare_flash(device, dtype, atol, kernel="flash"):
     """Flash attention's log-sum-exp in place of pass 1: output and statistics equal the PyTorch path's."""
+    kernels.LSE_KERNEL = kernel  # (the callers restore it through monkeypatch)
     torch.manual_seed(0)
     for B, H, H_kv, _, N, D in CASES:
         q, k, v = (torch.randn(B, h, N, D, device=device).to(dtype) for h in (H, H_kv, H_kv))
@@ -135,9 +139,12 @@ def test_gpu_matches_reference(dtype, atol):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,atol", [(torch.float16, 2e-3), (torch.bfloat16, 2e-3)])
-def test_gpu_flash_lse_matches_reference(dtype, atol, monkeypatch):
-    """CUDA's flash attention hands its log-sum-exp to pass 2 (GQA included), and the check accepts it."""
-    _compare_flash("cuda", dtype, atol)
+@pytest.mark.parametrize("kernel", kernels.LSE_KERNELS)
+def test_gpu_flash_lse_matches_reference(dtype, atol, kernel, monkeypatch):
+    """CUDA's flash attention (and cuDNN's) hands its log-sum-exp to pass 2 (GQA included), and the check accepts
+    it."""
+    monkeypatch.setattr(kernels, "LSE_KERNEL", kernels.LSE_KERNEL)
+    _compare_flash("cuda", dtype, atol, kernel)
 
 
 @pytest.mark.gpu
@@ -174,8 +181,8 @@ def test_kernels_compile_for_an_h100(dtype, head_dim):
     columns = dict(Q=f"*{dtype}", K=f"*{dtype}", LSE="*fp32", VALID="*fp32", OUT="*fp32", OUT_MAX="*fp32", **ints,
                    scale_log2="fp32")
     builds = [(kernels._row_lse_kernel, rows, shape)]
-    builds += [(kernels._column_sum_kernel, columns, dict(shape, HAS_VALID=valid, HAS_MAX=peak))
-               for valid in (False, True) for peak in (False, True)]
+    builds += [(kernels._column_sum_kernel, columns, dict(shape, HAS_VALID=valid, HAS_MAX=peak, TILE_ACC=acc))
+               for valid in (False, True) for peak in (False, True) for acc in (False, True)]
     for fn, signature, constexprs in builds:
         signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
         done = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),

@@ -416,3 +416,15 @@ def test_gpu_compiled_mapper_gives_the_same_logits():
         mapper.time_encoder.forward = torch.compile(mapper.time_encoder.forward)
         compiled = mapper(x).float()
     torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)
+
+
+def test_side_work_runs_on_one_thread_for_the_process():
+    """The worker that launches the proxies on CUDA lives as long as the process (what CUDA libraries keep per
+    thread is built once), apart from the caller's thread."""
+    import threading
+
+    from proxykv_hf.scorers.proxy import side_worker
+
+    first = side_worker().submit(threading.get_ident).result()
+    assert side_worker() is side_worker()
+    assert side_worker().submit(threading.get_ident).result() == first != threading.get_ident()

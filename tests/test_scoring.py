@@ -308,6 +308,42 @@ def test_flash_attention_with_lse_on_cpu():
     assert kernels.flash_attention_with_lse(q, k[:, :, 1:], v[:, :, 1:], 0.3) is None  # keys != queries
     assert kernels.flash_attention_with_lse(q, k, v.double(), 0.3) is None  # mixed dtypes
     assert kernels.flash_attention_with_lse(q, k, v[..., :8], 0.3) is None  # value width != query width
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kernels.flash_attention_with_lse(q, k, v, 0.3, kernel="flash3")
+
+
+def test_cudnn_heads_asked_once_per_device(monkeypatch):
+    """cuDNN's attention is tried with grouped key heads, then with heads repeated, then given up (flash runs
+    instead); the answer is kept per device, and a refusal after it once ran is an error, not a fallback."""
+    from proxykv_hf import kernels
+
+    calls = []
+
+    def fake(query, key, value, scaling):  # a cuDNN that takes only as many key heads as query heads
+        calls.append(key.shape[1])
+        if key.shape[1] != query.shape[1]:
+            raise RuntimeError("grouped heads not supported")
+        return query.clone(), torch.zeros(query.shape[:3])
+
+    monkeypatch.setattr(kernels, "_cudnn_op", fake)
+    monkeypatch.setattr(kernels, "_cudnn_modes", {})
+    q, k = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 5, 8)
+    assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is not None and calls == [2, 6]
+    assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is not None and calls == [2, 6, 6]  # straight to repeated
+    assert kernels._cudnn_modes == {(q.device, True): "repeated"}
+    assert kernels._cudnn_attention_with_lse(q, q, q, 0.3) is not None  # ungrouped heads: asked apart
+    assert kernels._cudnn_modes[(q.device, False)] == "grouped"
+
+    def refuse(query, key, value, scaling):
+        raise RuntimeError("no cuDNN attention here")
+
+    monkeypatch.setattr(kernels, "_cudnn_op", refuse)
+    with pytest.raises(RuntimeError, match="no cuDNN"):  # it ran before on this device
+        kernels._cudnn_attention_with_lse(q, k, k, 0.3)
+    kernels._cudnn_modes.clear()
+    assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is None  # never ran: refused for good, flash instead
+    assert kernels._cudnn_modes == {(q.device, True): None}
+    assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is None
 
 
 def _column_pass(query, key, scaling, query_valid=None, *, with_max=False, lse=None, **_):

@@ -6,6 +6,7 @@ import copy
 import functools
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -17,6 +18,21 @@ from .base import BackgroundScorer, LayerInputs, Prompt
 logger = logging.getLogger(__name__)
 
 GLOBAL_NORMS = ("none", "layer")
+
+
+_worker: ThreadPoolExecutor | None = None
+_worker_lock = threading.Lock()
+
+
+def side_worker() -> ThreadPoolExecutor:
+    """The one thread that launches every ProxyKV proxy and mapper onto their side streams. It lives as long as the
+    process, so that what the CUDA libraries keep per thread (cuBLAS handles, the plans of cuDNN's attention) is
+    built once rather than for every prompt; proxies of prompts prefilled at once from several threads queue."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="proxykv-proxy")
+        return _worker
 
 
 def bfloat16_is_fast(device: torch.device) -> bool:
@@ -108,7 +124,7 @@ class ProxyScorer(BackgroundScorer):
         self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
-        self._thread: threading.Thread | None = None
+        self._future: Future | None = None  # the side work's launches (CUDA)
         self._error: BaseException | None = None
 
     @classmethod
@@ -146,7 +162,7 @@ class ProxyScorer(BackgroundScorer):
 
     def fresh(self) -> "ProxyScorer":
         clone = copy.copy(self)
-        clone._scores, clone._event, clone._thread, clone._error = None, None, None, None
+        clone._scores, clone._event, clone._future, clone._error = None, None, None, None
         clone._mixer = LayerMixer(self.layer_mix)
         clone._earlier = {}
         return clone
@@ -164,7 +180,7 @@ class ProxyScorer(BackgroundScorer):
 
     def prepare(self, prompt: Prompt) -> None:
         self._check(prompt)
-        self._scores, self._event, self._thread, self._error = None, None, None, None
+        self._scores, self._event, self._future, self._error = None, None, None, None
         self._mixer.reset()
         self._earlier = {}
         if self.spec.kind == "self":
@@ -182,7 +198,7 @@ class ProxyScorer(BackgroundScorer):
             return
         # On CUDA the proxy and mapper are launched from a worker thread onto a side stream, so that the target's
         # prefill is launched at once on its own stream, and a host sync inside the proxy (e.g. a mask check in
-        # transformers) blocks only the worker.
+        # transformers) blocks only the worker. The worker lives as long as the process (:func:`side_worker`).
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the prompt tensors were made there
         self._event = torch.cuda.Event()
@@ -195,22 +211,21 @@ class ProxyScorer(BackgroundScorer):
             except BaseException as exc:  # re-raised on the caller's thread by score()
                 self._error = exc
 
-        self._thread = threading.Thread(target=work, name="proxykv-proxy", daemon=True)
-        self._thread.start()
+        self._future = side_worker().submit(work)
 
     def ready(self) -> bool:
         overlap = not self._same_device if self.overlap is None else self.overlap
         if not overlap:
             return True  # score() now: the target's stream waits on the proxy's event (the host does not)
-        if self._thread is not None and self._thread.is_alive():
+        if self._future is not None and not self._future.done():
             return False
         return self._event is None or self._error is not None or self._event.query()
 
     def _wait(self, device: torch.device) -> None:
         """Make ``device``'s current stream wait for the side work (the host only waits for the launches)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._future is not None:
+            self._future.result()  # ``work`` keeps its own exception
+            self._future = None
             if self._error is not None:
                 raise RuntimeError("the ProxyKV proxy failed on its side stream") from self._error
             torch.cuda.current_stream(device).wait_event(self._event)
