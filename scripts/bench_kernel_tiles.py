@@ -10,7 +10,8 @@ The first two time pass 2 alone after flash attention's log-sum-exp, as a proxy 
 ``--queries Q`` the queries hold the last ``Q`` of the ``--length`` positions and both passes run: the shape of
 KVzip's scoring for one 2048-token chunk of the Llama-3.1-8B shape (4 sinks + 2048 chunk keys + the repeat).
 ``--max`` adds the per-key maxima. Each row: the median of ``--repeats`` CUDA-event timings after a warm-up (which
-compiles the kernel), and the largest relative difference from the first setting's sums.
+compiles the kernel), and the largest relative difference from the first setting's sums; each setting with both
+ways pass 2 accumulates (``tile_acc``).
 :func:`proxykv_hf.kernels.default_tiles` holds the fastest per head dimension.
 """
 
@@ -59,21 +60,24 @@ def main(argv=None) -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}; Q={Q}, T={T}, heads {ns.heads}/"
           f"{ns.kv_heads}, D={D}, {'pass 2 after flash' if lse is not None else 'both passes'}"
           f"{', with maxima' if ns.max else ''}; default {kernels.default_tiles(D)}")
-    print("| block_m x block_n | warps | stages | ms | max rel. diff |\n|---|---|---|---|---|")
+    print("| block_m x block_n | warps | stages | pass-2 accumulator | ms | max rel. diff |\n|---|---|---|---|---|---|")
     rows, first = [], None
-    for bm, bn, warps, stages in SETTINGS:
+    for (bm, bn, warps, stages), tile_acc in [(s, t) for s in SETTINGS for t in (False, True)]:
+        acc = "tile" if tile_acc else "row-reduced"
         try:
             ms, out = median_ms(lambda: kernels.causal_attention_sums(q, k, D**-0.5, block_m=bm, block_n=bn,
                                                                       num_warps=warps, num_stages=stages,
-                                                                      with_max=ns.max, lse=lse), ns.repeats)
+                                                                      with_max=ns.max, lse=lse, tile_acc=tile_acc),
+                                ns.repeats)
         except Exception as err:  # noqa: BLE001 - e.g. a setting that needs more shared memory than the GPU has
-            print(f"| {bm} x {bn} | {warps} | {stages} | {type(err).__name__} | |")
+            print(f"| {bm} x {bn} | {warps} | {stages} | {acc} | {type(err).__name__} | |")
             continue
         sums = out[0] if ns.max else out
         first = sums if first is None else first
         diff = ((sums - first).abs() / first.abs().clamp_min(1e-3)).max().item()
-        rows.append(dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, ms=ms, diff=diff))
-        print(f"| {bm} x {bn} | {warps} | {stages} | {ms:.3f} | {diff:.1e} |")
+        rows.append(dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, tile_acc=tile_acc, ms=ms,
+                         diff=diff))
+        print(f"| {bm} x {bn} | {warps} | {stages} | {acc} | {ms:.3f} | {diff:.1e} |")
     print(json.dumps(rows))
 
 

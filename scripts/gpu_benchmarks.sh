@@ -3,7 +3,8 @@
 #
 # How to run me (one CUDA GPU, the package installed with a CUDA build of torch):
 #   bash scripts/gpu_benchmarks.sh quick OUT_DIR    # GPU tests, then 32k only: Llama full / KVzip / ProxyKV and Qwen
-#                                                   # full / ProxyKV, compiled mapper (the speed targets, ~8 minutes)
+#                                                   # full / ProxyKV, compiled mapper (the speed targets), then Llama
+#                                                   # with the flash kernel for the proxy (~8 minutes)
 #   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the kernel and mapper tables (bench_attention_sums,
 #                                                   # bench_kernel_tiles, bench_gpu_mapper, bench_attention_lse)
 #   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
@@ -25,7 +26,11 @@ case $phase in
     bench --shape llama-3.1-8b --methods full kvzip proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
       --compile-mapper --out "$out/llama-32k"   # -> docs/data/gpu_h200_llama_32k.json
     bench --shape qwen2.5-7b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
-      --compile-mapper --out "$out/qwen-32k" ;;  # -> docs/data/gpu_h200_qwen_32k.json
+      --compile-mapper --out "$out/qwen-32k"   # -> docs/data/gpu_h200_qwen_32k.json
+    # the proxy's attention through PyTorch's flash kernel instead of cuDNN's -> docs/data/gpu_h200_llama_32k_flash.json
+    python3 -c 'import sys; from proxykv_hf import kernels, cli; kernels.LSE_KERNEL = "flash"; cli.main(sys.argv[1:])' \
+      bench --dtype bfloat16 --keep-ratio 0.3 --shape llama-3.1-8b --methods full proxykv --context-lengths 32768 \
+      --repeats 3 --decode-tokens 32 --compile-mapper --out "$out/llama-32k-flash" ;;
   tests)
     gpu_tests
     python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536
