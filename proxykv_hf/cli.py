@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the target's")
     p.add_argument("--compile-mapper", action="store_true",
                    help="ProxyKV: compile the mapper's time encoder with torch.compile (warm-up runs pay for it)")
+    p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="with --shape: fields of the random paper-preset mapper (e.g. stride=2048: encoder windows "
+                        "side by side, as the bundled mapper runs them)")
     p.add_argument("--out", default=None, help="directory for the table, plot and JSON")
     p.set_defaults(fn=cmd_bench)
     return parser

@@ -41,6 +41,16 @@ def _scorers(ns, model, tok, tmp: str):
     return scorers, runner
 
 
+def mapper_overrides(ns) -> dict:
+    """``--mapper-config FIELD=VALUE ...`` as typed fields of the random mapper; only with ``--shape``."""
+    items = getattr(ns, "mapper_config", None) or []
+    if items and not getattr(ns, "shape", None):
+        raise SystemExit("--mapper-config changes the random mapper of --shape; a trained mapper keeps its config")
+    from ..cli import _mapper_overrides
+
+    return _mapper_overrides(items)
+
+
 def _shape_setup(ns, tmp: str):
     """Random-weight target + proxy of real shapes, and a random paper-preset mapper (honest for timing)."""
     from ..hub import Checkpoint, save_checkpoint
@@ -55,7 +65,7 @@ def _shape_setup(ns, tmp: str):
     proxy = random_model(PAIRS[ns.shape], device=ns.proxy_device or ns.device, dtype=dtype, seed=1)
     spec = ProxySpec(kind="model", num_layers=proxy.config.num_hidden_layers,
                      num_heads=proxy.config.num_attention_heads, model_id=PAIRS[ns.shape])
-    mapper = HybridAxialMapper(pair_mapper_config(ns.shape)).eval()
+    mapper = HybridAxialMapper(pair_mapper_config(ns.shape, **mapper_overrides(ns))).eval()
     save_checkpoint(Checkpoint(mapper=mapper, proxy=spec, target=target_spec_of(target, ns.shape)), tmp)
     ns._proxy_model, ns._mapper_dir = proxy, tmp
     return target, tiny_tokenizer()  # ids only need to be in range; the tiny byte tokenizer serves KVzip's prompts
@@ -107,6 +117,7 @@ def _measure_peak(spec: dict) -> int:
 def run_bench(ns) -> int:
 
     cfg = from_args(BenchConfig, ns)
+    mapper_overrides(ns)  # a bad --mapper-config fails before any model loads
     with tempfile.TemporaryDirectory() as tmp:
         model, scorers, runner = _setup(ns, tmp)
         probe = None
@@ -123,6 +134,8 @@ def run_bench(ns) -> int:
     env = environment(model)
     env["shape"] = ns.shape
     env["compile_mapper"] = bool(getattr(ns, "compile_mapper", False))
+    if getattr(ns, "mapper_config", None):
+        env["mapper_config"] = list(ns.mapper_config)
     print(table(rows))
     if ns.out:
         out = Path(ns.out)

@@ -35,9 +35,10 @@ def shape_config(shape: str):
     return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 
-def pair_mapper_config(shape: str, preset: str = "paper"):
+def pair_mapper_config(shape: str, preset: str = "paper", **overrides):
     """A mapper config (``MapperConfig.<preset>``: paper, small or tiny) between the target ``shape`` and its proxy
-    ``PAIRS[shape]``: every query head of every proxy layer in, every KV head of every target layer out."""
+    ``PAIRS[shape]``: every query head of every proxy layer in, every KV head of every target layer out; other
+    fields from ``overrides`` (e.g. ``stride=2048``)."""
     from ..mapper import MapperConfig
 
     if shape not in PAIRS or preset not in ("paper", "small", "tiny"):
@@ -46,7 +47,7 @@ def pair_mapper_config(shape: str, preset: str = "paper"):
     target, proxy = SHAPES[shape], SHAPES[PAIRS[shape]]
     return getattr(MapperConfig, preset)(
         num_proxy_layers=proxy["num_hidden_layers"], num_proxy_heads=proxy["num_attention_heads"],
-        num_target_layers=target["num_hidden_layers"], num_target_heads=target["num_key_value_heads"])
+        num_target_layers=target["num_hidden_layers"], num_target_heads=target["num_key_value_heads"], **overrides)
 
 
 def random_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
