@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .cli_helpers import BUNDLED_MAPPER, add_dataclass_args, dtype_of, field_docs, from_args, load, mapper_for
+from .cli_helpers import (BUNDLED_MAPPER, add_dataclass_args, dtype_of, field_docs, field_overrides, from_args, load,
+                          mapper_for)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
@@ -141,7 +142,7 @@ def cmd_train(ns) -> int:
     from .train.losses import LossConfig
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
-    cfg = from_args(TrainConfig, ns, loss=LossConfig(**_overrides(LossConfig, ns.loss, "--loss")))
+    cfg = from_args(TrainConfig, ns, loss=LossConfig(**field_overrides(LossConfig, ns.loss, "--loss")))
     mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, **_mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
@@ -152,7 +153,7 @@ def cmd_refit_direct(ns) -> int:
     from .train.direct_fit import DirectFitConfig, refit_direct_path
     from .train.losses import LossConfig
 
-    cfg = from_args(DirectFitConfig, ns, loss=LossConfig(**_overrides(LossConfig, ns.loss, "--loss")))
+    cfg = from_args(DirectFitConfig, ns, loss=LossConfig(**field_overrides(LossConfig, ns.loss, "--loss")))
     ckpt = refit_direct_path(ns.mapper, ns.data, ns.out, cfg)
     print(json.dumps({"direct_refit": {k: v for k, v in ckpt.training["direct_refit"].items() if k != "config"},
                       "metrics": ckpt.metrics}, indent=2))
@@ -163,30 +164,7 @@ def _mapper_overrides(items: list[str]) -> dict:
     """``["d_time=64", "dropout=0"]`` -> typed MapperConfig overrides; unknown fields and bad values raise."""
     from .mapper import MapperConfig
 
-    return _overrides(MapperConfig, items, "--mapper-config")
-
-
-def _overrides(cls, items: list[str], flag: str) -> dict:
-    """``["FIELD=VALUE", ...]`` -> typed overrides of the simple (bool, int, float, str) fields of ``cls``."""
-    import dataclasses
-
-    types = {f.name: f.type for f in dataclasses.fields(cls)}
-    out: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in types:
-            raise SystemExit(f"{flag} expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
-        kind = types[key] if isinstance(types[key], str) else types[key].__name__
-        try:
-            if kind == "bool":
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                out[key] = value.lower() in ("true", "1")
-            else:
-                out[key] = {"int": int, "float": float}.get(kind, str)(value)
-        except ValueError:
-            raise SystemExit(f"{flag} {key}: {value!r} is not a valid {kind}") from None
-    return out
+    return field_overrides(MapperConfig, items, "--mapper-config")
 
 
 def cmd_bench(ns) -> int:

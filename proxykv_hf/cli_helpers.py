@@ -120,3 +120,24 @@ def mapper_for(ns, model, tmp: str) -> str | None:
     if getattr(ns, "tiny", False):
         return tiny_mapper_checkpoint(model, tmp)
     return str(BUNDLED_MAPPER) if BUNDLED_MAPPER.is_dir() else None
+
+
+def field_overrides(cls, items: list[str], flag: str) -> dict:
+    """``["FIELD=VALUE", ...]`` -> typed overrides of the simple (bool, int, float, str) fields of ``cls``."""
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"{flag} expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
+        kind = types[key] if isinstance(types[key], str) else types[key].__name__
+        try:
+            if kind == "bool":
+                if value.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(value)
+                out[key] = value.lower() in ("true", "1")
+            else:
+                out[key] = {"int": int, "float": float}.get(kind, str)(value)
+        except ValueError:
+            raise SystemExit(f"{flag} {key}: {value!r} is not a valid {kind}") from None
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..cli_helpers import dtype_of, from_args, load, mapper_for
+from ..cli_helpers import dtype_of, field_overrides, from_args, load, mapper_for
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
 
@@ -46,9 +46,9 @@ def mapper_overrides(ns) -> dict:
     items = getattr(ns, "mapper_config", None) or []
     if items and not getattr(ns, "shape", None):
         raise SystemExit("--mapper-config changes the random mapper of --shape; a trained mapper keeps its config")
-    from ..cli import _mapper_overrides
+    from ..mapper import MapperConfig
 
-    return _mapper_overrides(items)
+    return field_overrides(MapperConfig, items, "--mapper-config")
 
 
 def _shape_setup(ns, tmp: str):
