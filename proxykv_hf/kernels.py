@@ -261,7 +261,8 @@ def flash_lse_supported(query: torch.Tensor) -> bool:
 
 LSE_KERNELS = ("flash", "cudnn")
 LSE_KERNEL = "cudnn"  # what :func:`flash_attention_with_lse` calls on a GPU when not told (docs/performance.md)
-_cudnn_modes: dict[tuple, str | None] = {}  # (device, grouped heads) -> "grouped", "repeated" or None (refused)
+# (device, grouped heads, dtype, head dim) -> "grouped", "repeated" or None (refused)
+_cudnn_modes: dict[tuple, str | None] = {}
 
 
 def _cudnn_op(query, key, value, scaling):
@@ -273,9 +274,10 @@ def _cudnn_op(query, key, value, scaling):
 
 def _cudnn_attention_with_lse(query, key, value, scaling):
     """cuDNN's causal attention with the row log-sum-exp, or None where cuDNN refuses the inputs. Asked once per
-    device (and for grouped key heads apart): grouped heads as they are, else repeated to the query heads."""
+    device, dtype and head dimension (and for grouped key heads apart): grouped heads as they are, else repeated to
+    the query heads."""
     groups = query.shape[1] // key.shape[1]
-    slot = (query.device, groups > 1)
+    slot = (query.device, groups > 1, query.dtype, query.shape[-1])
     known = slot in _cudnn_modes
     for mode in [_cudnn_modes[slot]] if known else ["grouped", "repeated"][:1 + (groups > 1)]:
         if mode is None:

@@ -314,7 +314,8 @@ def test_flash_attention_with_lse_on_cpu():
 
 def test_cudnn_heads_asked_once_per_device(monkeypatch):
     """cuDNN's attention is tried with grouped key heads, then with heads repeated, then given up (flash runs
-    instead); the answer is kept per device, and a refusal after it once ran is an error, not a fallback."""
+    instead); the answer is kept per device, dtype and head dimension, and a refusal after it once ran for them is
+    an error, not a fallback."""
     from proxykv_hf import kernels
 
     calls = []
@@ -330,9 +331,9 @@ def test_cudnn_heads_asked_once_per_device(monkeypatch):
     q, k = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 5, 8)
     assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is not None and calls == [2, 6]
     assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is not None and calls == [2, 6, 6]  # straight to repeated
-    assert kernels._cudnn_modes == {(q.device, True): "repeated"}
+    assert kernels._cudnn_modes == {(q.device, True, q.dtype, 8): "repeated"}
     assert kernels._cudnn_attention_with_lse(q, q, q, 0.3) is not None  # ungrouped heads: asked apart
-    assert kernels._cudnn_modes[(q.device, False)] == "grouped"
+    assert kernels._cudnn_modes[(q.device, False, q.dtype, 8)] == "grouped"
 
     def refuse(query, key, value, scaling):
         raise RuntimeError("no cuDNN attention here")
@@ -342,8 +343,11 @@ def test_cudnn_heads_asked_once_per_device(monkeypatch):
         kernels._cudnn_attention_with_lse(q, k, k, 0.3)
     kernels._cudnn_modes.clear()
     assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is None  # never ran: refused for good, flash instead
-    assert kernels._cudnn_modes == {(q.device, True): None}
+    assert kernels._cudnn_modes == {(q.device, True, q.dtype, 8): None}
     assert kernels._cudnn_attention_with_lse(q, k, k, 0.3) is None
+    wide = torch.randn(1, 6, 5, 16)
+    monkeypatch.setattr(kernels, "_cudnn_op", fake)  # another head dimension is asked apart
+    assert kernels._cudnn_attention_with_lse(wide, wide[:, :2], wide[:, :2], 0.3) is not None
 
 
 def _column_pass(query, key, scaling, query_valid=None, *, with_max=False, lse=None, **_):
