@@ -44,7 +44,8 @@ case $phase in
     python3 "$here/bench_kernel_tiles.py" --length 4130 --queries 2078 --heads 32 --kv-heads 8 --head-dim 128 --max
     python3 "$here/bench_gpu_mapper.py" --shape llama-3.1-8b --lengths 32768
     python3 "$here/bench_gpu_mapper.py" --shape qwen2.5-7b --lengths 32768
-    python3 "$here/bench_attention_lse.py" --lengths 8192 32768 ;;
+    python3 "$here/bench_attention_lse.py" --lengths 8192 32768
+    python3 "$here/bench_attention_lse.py" --lengths 8192 32768 --heads 12 --kv-heads 2 --head-dim 128 ;;
   llama)
     bench --shape llama-3.1-8b --methods full snapkv ${KVZIP-kvzip} proxykv --context-lengths 4096 8192 16384 32768 \
       --repeats 3 --decode-tokens 128 --out "$out/llama" ;;
