@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .cli_helpers import (BUNDLED_MAPPER, add_dataclass_args, dtype_of, field_docs, field_overrides, from_args, load,
-                          mapper_for)
+                          mapper_for, mapper_overrides)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
@@ -143,7 +143,7 @@ def cmd_train(ns) -> int:
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
     cfg = from_args(TrainConfig, ns, loss=LossConfig(**field_overrides(LossConfig, ns.loss, "--loss")))
-    mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, **_mapper_overrides(ns.mapper_config))
+    mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, **mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
     return 0
@@ -158,13 +158,6 @@ def cmd_refit_direct(ns) -> int:
     print(json.dumps({"direct_refit": {k: v for k, v in ckpt.training["direct_refit"].items() if k != "config"},
                       "metrics": ckpt.metrics}, indent=2))
     return 0
-
-
-def _mapper_overrides(items: list[str]) -> dict:
-    """``["d_time=64", "dropout=0"]`` -> typed MapperConfig overrides; unknown fields and bad values raise."""
-    from .mapper import MapperConfig
-
-    return field_overrides(MapperConfig, items, "--mapper-config")
 
 
 def cmd_bench(ns) -> int:

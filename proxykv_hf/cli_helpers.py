@@ -141,3 +141,11 @@ def field_overrides(cls, items: list[str], flag: str) -> dict:
         except ValueError:
             raise SystemExit(f"{flag} {key}: {value!r} is not a valid {kind}") from None
     return out
+
+
+def mapper_overrides(items: list[str]) -> dict:
+    """``["d_time=64", "dropout=0"]`` (``--mapper-config``) -> typed MapperConfig overrides; unknown fields and bad
+    values raise."""
+    from .mapper import MapperConfig
+
+    return field_overrides(MapperConfig, items, "--mapper-config")

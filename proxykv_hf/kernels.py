@@ -278,17 +278,19 @@ def _cudnn_attention_with_lse(query, key, value, scaling):
     the query heads."""
     groups = query.shape[1] // key.shape[1]
     slot = (query.device, groups > 1, query.dtype, query.shape[-1])
-    known = slot in _cudnn_modes
-    for mode in [_cudnn_modes[slot]] if known else ["grouped", "repeated"][:1 + (groups > 1)]:
-        if mode is None:
-            return None
-        k, v = (key, value) if mode == "grouped" else (key.repeat_interleave(groups, 1),
-                                                       value.repeat_interleave(groups, 1))
+
+    def heads(mode):
+        if mode == "grouped":
+            return key, value
+        return key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+
+    if slot in _cudnn_modes:  # asked before: a refusal now is a real failure, not a fallback
+        mode = _cudnn_modes[slot]
+        return None if mode is None else _cudnn_op(query, *heads(mode), scaling)
+    for mode in ("grouped", "repeated")[:1 + (groups > 1)]:
         try:
-            found = _cudnn_op(query, k, v, scaling)
+            found = _cudnn_op(query, *heads(mode), scaling)
         except RuntimeError:
-            if known:  # it ran on this device before: a real failure
-                raise
             continue
         _cudnn_modes[slot] = mode
         return found

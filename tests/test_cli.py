@@ -115,17 +115,17 @@ def test_bench_mapper_config_sets_the_shape_mapper_only():
     8B model), is refused without ``--shape`` before any model loads, and checks its fields."""
     import argparse
 
-    from proxykv_hf.bench.cli import mapper_overrides
+    from proxykv_hf.bench.cli import shape_mapper_overrides
     from proxykv_hf.bench.shapes import pair_mapper_config
 
     ns = argparse.Namespace(shape="llama-3.1-8b", mapper_config=["stride=2048"])
-    config = pair_mapper_config(ns.shape, **mapper_overrides(ns))
+    config = pair_mapper_config(ns.shape, **shape_mapper_overrides(ns))
     assert config.stride == config.crop_len == 2048 and pair_mapper_config(ns.shape).stride == 1024
     assert config.num_target_layers == 32 and config.num_proxy_layers == 16  # the shape's fields stay
     with pytest.raises(SystemExit, match="random mapper of --shape"):
         main(["bench", "--tiny", "--methods", "full", "--context-lengths", "64", "--mapper-config", "stride=64"])
     with pytest.raises(SystemExit, match="--mapper-config expects"):
-        mapper_overrides(argparse.Namespace(shape="llama-3.1-8b", mapper_config=["strides=2048"]))
+        shape_mapper_overrides(argparse.Namespace(shape="llama-3.1-8b", mapper_config=["strides=2048"]))
 
 
 @pytest.mark.slow  # a whole command on a tiny model

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..cli_helpers import dtype_of, field_overrides, from_args, load, mapper_for
+from ..cli_helpers import dtype_of, from_args, load, mapper_for, mapper_overrides
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
 
@@ -41,14 +41,12 @@ def _scorers(ns, model, tok, tmp: str):
     return scorers, runner
 
 
-def mapper_overrides(ns) -> dict:
+def shape_mapper_overrides(ns) -> dict:
     """``--mapper-config FIELD=VALUE ...`` as typed fields of the random mapper; only with ``--shape``."""
     items = getattr(ns, "mapper_config", None) or []
     if items and not getattr(ns, "shape", None):
         raise SystemExit("--mapper-config changes the random mapper of --shape; a trained mapper keeps its config")
-    from ..mapper import MapperConfig
-
-    return field_overrides(MapperConfig, items, "--mapper-config")
+    return mapper_overrides(items)
 
 
 def _shape_setup(ns, tmp: str):
@@ -65,7 +63,7 @@ def _shape_setup(ns, tmp: str):
     proxy = random_model(PAIRS[ns.shape], device=ns.proxy_device or ns.device, dtype=dtype, seed=1)
     spec = ProxySpec(kind="model", num_layers=proxy.config.num_hidden_layers,
                      num_heads=proxy.config.num_attention_heads, model_id=PAIRS[ns.shape])
-    mapper = HybridAxialMapper(pair_mapper_config(ns.shape, **mapper_overrides(ns))).eval()
+    mapper = HybridAxialMapper(pair_mapper_config(ns.shape, **shape_mapper_overrides(ns))).eval()
     save_checkpoint(Checkpoint(mapper=mapper, proxy=spec, target=target_spec_of(target, ns.shape)), tmp)
     ns._proxy_model, ns._mapper_dir = proxy, tmp
     return target, tiny_tokenizer()  # ids only need to be in range; the tiny byte tokenizer serves KVzip's prompts
@@ -117,7 +115,7 @@ def _measure_peak(spec: dict) -> int:
 def run_bench(ns) -> int:
 
     cfg = from_args(BenchConfig, ns)
-    mapper_overrides(ns)  # a bad --mapper-config fails before any model loads
+    shape_mapper_overrides(ns)  # a bad --mapper-config fails before any model loads
     with tempfile.TemporaryDirectory() as tmp:
         model, scorers, runner = _setup(ns, tmp)
         probe = None
