@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 
+from proxykv_hf.cli_helpers import mapper_overrides
 from proxykv_hf.flops import kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
 from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config, shape_config
 from proxykv_hf.scorers.kvzip import KVzipScorer
@@ -28,10 +29,12 @@ from proxykv_hf.testing import tiny_tokenizer
 TERA = 1e12
 
 
-def flops(shape: str, n: int, statistics_passes: int) -> dict[str, int]:
-    """ProxyKV's FLOPs by part for the pair of ``shape`` (paper-preset mapper) at ``n`` tokens."""
+def flops(shape: str, n: int, statistics_passes: int, mapper: tuple[str, ...] = ()) -> dict[str, int]:
+    """ProxyKV's FLOPs by part for the pair of ``shape`` at ``n`` tokens: the paper-preset mapper, with the fields
+    of ``mapper`` (``FIELD=VALUE`` items, as ``proxykv bench --mapper-config`` takes them) changed."""
     return prefill_flops(shape_config(shape), n, proxy_kind="model", proxy_config=shape_config(PAIRS[shape]),
-                         mapper_config=pair_mapper_config(shape), statistics_passes=statistics_passes)
+                         mapper_config=pair_mapper_config(shape, **mapper_overrides(list(mapper))),
+                         statistics_passes=statistics_passes)
 
 
 @functools.cache
@@ -74,7 +77,8 @@ def methods_table(path: str, statistics_passes: int) -> list[str]:
     for row in data["rows"]:
         n, method = row["context"], row["method"]
         count = {"full": lambda: prefill_flops(shape_config(shape), n)["target"],
-                 "proxykv": lambda: flops(shape, n, statistics_passes)["total"],
+                 "proxykv": lambda: flops(shape, n, statistics_passes,
+                                          tuple(data["env"].get("mapper_config") or ()))["total"],
                  "kvzip": lambda: kvzip_total(shape, n),
                  "kvzip_iam": lambda: kvzip_total(shape, n, on_proxy=True)}.get(method)
         if row.get("flops"):  # newer bench rows carry their own counts
@@ -104,7 +108,9 @@ def measured_table(path: str, statistics_passes: int, floor_passes: int) -> list
         if row["method"] != "proxykv" or b is None:
             continue
         n = row["context"]
-        ran, floor = row.get("flops") or flops(shape, n, statistics_passes), flops(shape, n, floor_passes)
+        mapper = tuple(data["env"].get("mapper_config") or ())  # the bench's --mapper-config, if any
+        ran = row.get("flops") or flops(shape, n, statistics_passes, mapper)
+        floor = flops(shape, n, floor_passes, mapper)
         side = (ran["proxy"] + ran["statistics"]) / b["proxy_s"]
         lines.append(f"| {n} | {row['ttft_vs_full']:.2f} | {floor['total'] / floor['target']:.2f} | "
                      f"{ran['target'] / b['target_prefill_s'] / TERA:.0f} | {side / TERA:.0f} | "

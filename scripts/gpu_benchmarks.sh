@@ -2,10 +2,11 @@
 # The GPU measurements of docs/performance.md, one phase per call.
 #
 # How to run me (one CUDA GPU, the package installed with a CUDA build of torch):
-#   bash scripts/gpu_benchmarks.sh quick OUT_DIR    # GPU tests, then 32k only: Llama full / KVzip / ProxyKV and Qwen
-#                                                   # full / ProxyKV, compiled mapper (the speed targets), then Llama
-#                                                   # with the flash kernel for the proxy, and with the mapper's
-#                                                   # windows side by side (~9 minutes)
+#   bash scripts/gpu_benchmarks.sh quick OUT_DIR    # GPU tests, then 32k only, compiled mapper: Llama full / KVzip /
+#                                                   # ProxyKV and Qwen full / ProxyKV with the mapper's windows side
+#                                                   # by side (the speed targets), both again with the paper's
+#                                                   # overlapping windows, and Llama with the flash kernel for the
+#                                                   # proxy (~9 minutes)
 #   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the kernel and mapper tables (bench_attention_sums,
 #                                                   # bench_kernel_tiles, bench_gpu_mapper, bench_attention_lse)
 #   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
@@ -24,17 +25,20 @@ gpu_tests() { python3 -m pytest -q -m gpu tests; }  # every test marked gpu
 case $phase in
   quick)
     gpu_tests
+    # the mapper's encoder windows side by side (stride = crop_len), as the bundled SmolLM2 mapper runs its own
     bench --shape llama-3.1-8b --methods full kvzip proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
+      --compile-mapper --mapper-config stride=2048 --out "$out/llama-32k-sbs"   # -> docs/data/gpu_h200_llama_32k_sbs.json
+    bench --shape qwen2.5-7b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
+      --compile-mapper --mapper-config stride=2048 --out "$out/qwen-32k-sbs"   # -> docs/data/gpu_h200_qwen_32k_sbs.json
+    # the paper preset's overlapping windows (stride crop_len / 2)
+    bench --shape llama-3.1-8b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
       --compile-mapper --out "$out/llama-32k"   # -> docs/data/gpu_h200_llama_32k.json
     bench --shape qwen2.5-7b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
       --compile-mapper --out "$out/qwen-32k"   # -> docs/data/gpu_h200_qwen_32k.json
     # the proxy's attention through PyTorch's flash kernel instead of cuDNN's -> docs/data/gpu_h200_llama_32k_flash.json
     python3 -c 'import sys; from proxykv_hf import kernels, cli; kernels.LSE_KERNEL = "flash"; cli.main(sys.argv[1:])' \
       bench --dtype bfloat16 --keep-ratio 0.3 --shape llama-3.1-8b --methods full proxykv --context-lengths 32768 \
-      --repeats 3 --decode-tokens 32 --compile-mapper --out "$out/llama-32k-flash"
-    # the mapper's encoder windows side by side (stride = crop_len), as the bundled SmolLM2 mapper runs them
-    bench --shape llama-3.1-8b --methods full proxykv --context-lengths 32768 --repeats 3 --decode-tokens 32 \
-      --compile-mapper --mapper-config stride=2048 --out "$out/llama-32k-side-by-side" ;;
+      --repeats 3 --decode-tokens 32 --compile-mapper --out "$out/llama-32k-flash" ;;
   tests)
     gpu_tests
     python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536

@@ -159,3 +159,21 @@ def test_global_budget_on_cuda_matches_cpu(padded):
     for i in sets_a:
         for row_a, row_b in zip(sets_a[i], sets_b[i]):
             assert all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(row_a, row_b))
+
+
+def test_peak_memory_reads_against_live_memory():
+    """A reference cycle freed during the measured block does not lower the peak: what the block itself allocates
+    is counted in full."""
+    from proxykv_hf.bench.run import PeakMemory
+
+    class Cycle:
+        def __init__(self):
+            self.me, self.buf = self, torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    Cycle()  # unreachable, freed only by the collector
+    with PeakMemory(torch.device("cuda")) as mem:
+        import gc
+
+        gc.collect()  # a collection during the run (a prefill's many allocations trigger them)
+        held = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+    assert mem.peak >= held.numel()

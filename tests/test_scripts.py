@@ -46,6 +46,22 @@ def test_flop_budget_prints_the_floor_and_the_measured_rows(tmp_path):
     assert (tmp_path / "floor.png").stat().st_size > 0
 
 
+def test_flop_budget_counts_the_mapper_the_bench_ran(tmp_path):
+    """A bench run with ``--mapper-config stride=2048`` (half the encoder windows) is held against its own floor."""
+    sbs = json.loads((DATA / "gpu_h200_llama_32k_sbs.json").read_text())
+    paper = dict(sbs, env=dict(sbs["env"], mapper_config=[]), rows=[dict(r, flops=None) for r in sbs["rows"]])
+    sbs["rows"] = [dict(r, flops=None) for r in sbs["rows"]]  # counted by the script, not read from the rows
+    floors = []
+    for name, data in (("sbs", sbs), ("paper", paper)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+        done = run("flop_budget.py", "--context-lengths", "32768", "--bench", str(tmp_path / f"{name}.json"),
+                   "--bench-statistics-passes", "1")
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = done.stdout.split("FLOP floor")[1].splitlines()
+        floors.append(float(next(line for line in rows if line.startswith("| 32768 |")).split("|")[3]))
+    assert floors[0] < floors[1]  # the side-by-side windows' mapper costs less than the paper's overlapping ones
+
+
 def test_bench_cpu_attention_prints_one_row_per_length():
     done = run("bench_cpu_attention.py", "--lengths", "96", "160", "--repeats", "1", "--chunk-size", "32")
     assert done.returncode == 0, done.stderr

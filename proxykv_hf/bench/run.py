@@ -22,6 +22,7 @@ time on one-token queries (a new plan for every new key length) makes a large mo
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -112,6 +113,9 @@ class PeakMemory:
             time.sleep(0.001)
 
     def __enter__(self):
+        # garbage first: a cycle freed during the measured run (a decoder's CUDA graph holding a copied cache) would
+        # lower the level the peak is read against
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
