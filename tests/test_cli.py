@@ -110,6 +110,22 @@ def test_bench_compile_mapper_reaches_the_scorer(tmp_path, capsys, monkeypatch):
     assert type(compiled[0].__self__).__name__ == "TimeEncoder" and compiled[0].__name__ == "forward"
 
 
+def test_bench_times_the_methods_in_turn(capsys, monkeypatch):
+    """The timed prefills go full, snapkv, full, snapkv, ... so that a drift in the machine's speed reaches every
+    method alike; then one more prefill per method for its memory and decode."""
+    from proxykv_hf.bench.run import Bench
+
+    order = []
+    real = Bench._prefill
+    monkeypatch.setattr(Bench, "_prefill", lambda self, method, ids: order.append((method, ids.shape[1]))
+                        or real(self, method, ids))
+    main(["bench", "--tiny", "--methods", "full", "snapkv", "--context-lengths", "96", "--repeats", "3",
+          "--warmup", "0", "--decode-tokens", "0"])
+    assert order == [("full", 96), ("snapkv", 96)] * 3 + [("full", 96), ("snapkv", 96)]
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [len(r["ttft_runs_s"]) for r in rows] == [3, 3]
+
+
 def test_bench_mapper_config_sets_the_shape_mapper_only():
     """``--mapper-config`` reaches the random mapper of ``--shape`` (checked on its config, without building the
     8B model), is refused without ``--shape`` before any model loads, and checks its fields."""

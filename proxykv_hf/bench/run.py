@@ -2,7 +2,8 @@
 
 ``proxykv bench`` prints a table, a plot of TTFT and peak memory vs context length, and ends with one JSON line.
 TTFT is prefill + scoring + compaction (one forward over the prompt with the method's cache), the median of
-``repeats`` runs after a warm-up. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
+``repeats`` runs after a warm-up, the methods timed in turn (full, then each method, then full again...) so that a
+drift in the machine's speed over the run touches every method alike. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
 the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
 (``/proc/self/statm``) above the level at entry, after ``malloc_trim``. In one process that CPU figure depends on
 what earlier prefills left in the allocator's heap; ``fresh_memory`` measures each point in a new process instead
@@ -286,17 +287,17 @@ class Bench:
                 self._prefill(method, ids0)
         for n in cfg.context_lengths:
             ids = self._prompt(n)
-            base = {}
+            base, runs = {}, {method: [] for method in self.labels()}
+            for _ in range(cfg.repeats):  # methods in turn: a drift in the machine's speed touches each alike
+                for method in self.labels():
+                    _, t = timed(lambda: self._prefill(method, ids), self.device)  # its cache freed at once
+                    runs[method].append(t)
             for method in self.labels():
-                times, cache = [], None
-                for _ in range(cfg.repeats):
-                    cache = None  # free the last run's cache before the next prefill (16 GiB for an 8B at 128k)
-                    cache, t = timed(lambda: self._prefill(method, ids), self.device)
-                    times.append(t)
-                if self.memory_probe is not None:  # the last timed run's cache serves the rest
+                times, cache = runs[method], None
+                if self.memory_probe is not None:
                     peak, measure = self.memory_probe(method, n), "fresh process, sampled RSS"
+                    cache = self._prefill(method, ids)  # for its size and the decode
                 else:
-                    cache = None
                     with PeakMemory(self.device) as mem:
                         cache = self._prefill(method, ids)
                     peak = mem.peak
