@@ -114,20 +114,22 @@ def test_plain_sentence_corpora_share_no_sentence_across_splits():
         return {u for doc in corpora.units(name) for u in doc}
 
     train = sentences("filler-train") | sentences("repeats-train")
-    dev, test = sentences("filler-dev"), sentences("filler-test")
+    dev, test = sentences("filler-dev") | sentences("repeats-dev"), sentences("filler-test")
     assert not train & dev and not train & test and not dev & test
     assert corpora.CORPORA["repeats-train"].split == "train"
+    assert corpora.CORPORA["repeats-dev"].split == "dev"
 
 
-def test_repeats_corpus_repeats_one_block_in_order():
-    docs = corpora.units("repeats-train")
+@pytest.mark.parametrize("split", ["train", "dev"])
+def test_repeats_corpus_repeats_one_block_in_order(split):
+    docs = corpora.units(f"repeats-{split}")
     kinds = set()
     for doc in docs:
         period = next(p for p in range(1, 7) if doc[p:] == doc[:-p])  # the shortest shift that maps it onto itself
         kinds.add(min(period, 2))
         assert len(doc) >= 390
     assert kinds == {1, 2}, "one sentence repeated, and blocks of several"
-    sample = generate("needle:repeats-train", 1, 900, TOK, seed=5)[0]
+    sample = generate(f"needle:repeats-{split}", 1, 900, TOK, seed=5)[0]
     assert sample.answers[0] in sample.context
 
 

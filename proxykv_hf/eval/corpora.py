@@ -16,6 +16,8 @@ corpus          split  what                                                 inst
 ``readmes``     dev    the long descriptions (PyPI pages) of the            ``pip install -e .[test]``; each
                        distributions ``pip install -e .[test]`` brings      package's own (MIT, BSD, Apache-2.0, ...)
 ``filler-dev``  dev    plain everyday sentences, repeated (written here)    none; Apache-2.0 (this project)
+``repeats-dev`` dev    the dev sentences as one block, one sentence or a    none; Apache-2.0 (this project)
+                       short story repeated in order (written here)
 ``manpages``    test   the Linux man-pages project's pages, roff stripped   ``apt-get install manpages``; GPL-2+ and
                                                                             others (its debian/copyright)
 ``perl``        test   Perl's core modules (code and POD)                   ``apt-get install perl-modules-5.36``;
@@ -290,6 +292,14 @@ _STORIES_TRAIN = (
     "A small boat left the harbor at noon. The sea was calm and the sky was clear. The crew sang as they sailed.",
     "Grandpa fixed the old radio on Sunday. It crackled, then played a song. Everyone in the kitchen clapped.",
 )
+_STORIES_DEV = (
+    "Leo found a kite in the attic. He carried it to the hill and waited for the wind. It flew until the string ran "
+    "out.",
+    "The farmer counted his sheep at dusk. One was missing, so he walked the fence with a lamp. He found it asleep "
+    "under the hedge.",
+    "Two friends rowed across the pond. Halfway over, it started to drizzle. They laughed and rowed faster.",
+    "The new neighbor brought a pie. It was still warm from the oven. By evening only crumbs were left.",
+)
 
 
 def _repeats(sentences: tuple[str, ...], stories: tuple[str, ...], seed: str) -> Callable[[], list[str]]:
@@ -335,6 +345,10 @@ for _corpus in (
            licence="each distribution's own (see its METADATA)", install="pip install -e '.[test]'", load=_readmes),
     Corpus(name="filler-dev", split="dev", description="plain everyday sentences (dev set)",
            licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_DEV, "dev"), joiner=" "),
+    Corpus(name="repeats-dev", split="dev",
+           description="plain sentences as one block, one sentence or a short story repeated (dev set)",
+           licence="Apache-2.0 (this project)", install="(built in)", load=_repeats(_FILLER_DEV, _STORIES_DEV, "dev"),
+           joiner=" "),
     Corpus(name="manpages", split="test", description="Linux man-pages project, sections 2-7 (roff stripped)",
            licence="GPL-2+ and others (/usr/share/doc/manpages/copyright)", install="apt-get install manpages",
            load=_manpages),
