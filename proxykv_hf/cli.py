@@ -143,7 +143,8 @@ def cmd_train(ns) -> int:
     from .train.loop import TrainConfig, mapper_config_for, train_mapper
 
     cfg = from_args(TrainConfig, ns, loss=LossConfig(**field_overrides(LossConfig, ns.loss, "--loss")))
-    mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, **mapper_overrides(ns.mapper_config))
+    mapper_cfg = mapper_config_for(ns.data, ns.preset, statistics=ns.statistics, proxy_layers=ns.proxy_layers,
+                                   **mapper_overrides(ns.mapper_config))
     ckpt = train_mapper(ns.data, ns.out, mapper_cfg, cfg)
     print(json.dumps(ckpt.metrics, indent=2))
     return 0

@@ -182,7 +182,8 @@ def prefill_flops(target_config, n: int, *, proxy_kind: str | None = None, proxy
         proxy_kind: ``"model"``, ``"layers"`` or ``"self"`` (:class:`~proxykv_hf.proxy.ProxySpec`); None = the
             full cache.
         proxy_config: the proxy model's config (kind ``"model"``).
-        proxy_layers: the target layers the proxy runs (kind ``"layers"``).
+        proxy_layers: the target layers the proxy runs (kind ``"layers"``), or whose statistics a ``"self"`` proxy
+            reads (None: all).
         mapper_config: the mapper's shape (needed with a proxy).
         statistics_passes: recomputations of ``Q K^T`` per proxy layer for the statistics.
 
@@ -195,8 +196,8 @@ def prefill_flops(target_config, n: int, *, proxy_kind: str | None = None, proxy
         return {**parts, "total": parts["target"]}
     if mapper_config is None:
         raise ValueError("a ProxyKV count needs the mapper's config")
-    if proxy_kind == "self":
-        proxy = target
+    if proxy_kind == "self":  # the statistics of the target's own attention, on every layer or on proxy_layers
+        proxy = target if proxy_layers is None else decoder_flops(target_config, n, layers=proxy_layers)
     elif proxy_kind == "layers":
         proxy = decoder_flops(target_config, n, layers=proxy_layers)
     elif proxy_kind == "model":

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .mapper import HybridAxialMapper, MapperConfig
-from .proxy import ProxySpec
+from .proxy import ProxySpec, check_self_layers
 from .selection import check_kernel_size, check_layer_mix
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,11 @@ class Checkpoint:
         if got != want:
             raise ValueError(f"the mapper reads (proxy layers, heads, statistics) = {got}, but its proxy gives "
                              f"{want} ({self.proxy.statistics})")
+        if self.proxy.kind == "self":
+            if self.proxy.layers is None and self.proxy.num_layers != self.target.num_layers:
+                raise ValueError(f"a self proxy without a layer list reads every target layer: num_layers "
+                                 f"{self.proxy.num_layers}, but the target has {self.target.num_layers}")
+            check_self_layers(self.proxy.layers, self.target.num_layers)
 
     def check_target(self, config) -> None:
         """Raise if a target model's config does not match the one the mapper was trained for."""

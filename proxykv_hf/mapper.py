@@ -153,9 +153,8 @@ class MapperConfig:
         return self.num_statistics * self.num_proxy_heads
 
     def pairing(self) -> list[int]:
-        """0-based proxy layer read by each target layer: ``ceil(l * L_s / L_l) - 1`` for 1-based ``l``."""
-        return [-(-(l * self.num_proxy_layers) // self.num_target_layers) - 1
-                for l in range(1, self.num_target_layers + 1)]
+        """0-based proxy layer read by each target layer (:func:`layer_pairing`)."""
+        return layer_pairing(self.num_proxy_layers, self.num_target_layers)
 
     def direct_sources(self) -> list[list[int]]:
         """Per target layer, the proxy layers its direct path reads: the paired one, then up to
@@ -171,6 +170,12 @@ class MapperConfig:
         """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
         check_known_fields(cls, data)
         return cls(**data)
+
+
+def layer_pairing(num_proxy_layers: int, num_target_layers: int) -> list[int]:
+    """0-based proxy layer read by each target layer: ``ceil(l * L_s / L_l) - 1`` for 1-based ``l`` (the paper's
+    depth-proportional pairing; each proxy layer serves a run of consecutive target layers)."""
+    return [-(-(l * num_proxy_layers) // num_target_layers) - 1 for l in range(1, num_target_layers + 1)]
 
 
 def mask_padding(scores: Tensor, attention_mask: Tensor | None, fill_value: float = float("-inf")) -> Tensor:
@@ -267,7 +272,8 @@ class HybridAxialMapper(nn.Module):
         return out if self.config.head_stage else out.transpose(1, 2)  # (B, H_l, N)
 
     def forward_layer(self, x_layer: Tensor, target_layer_idx: int,
-                      attention_mask: Tensor | None = None, earlier: list[Tensor] | None = None) -> Tensor:
+                      attention_mask: Tensor | None = None, earlier: list[Tensor] | None = None,
+                      encoded: Tensor | None = None) -> Tensor:
         """Scores for one target layer from its paired proxy layer's features.
 
         Args:
@@ -277,6 +283,8 @@ class HybridAxialMapper(nn.Module):
             earlier: with ``direct_context = c > 0``, the ``(B, H_s, N)`` features of the proxy layers before the
                 paired one, most recent first: ``min(c, paired layer)`` of them (the layers
                 :meth:`MapperConfig.direct_sources` names).
+            encoded: :meth:`encode` of ``x_layer`` where the caller has it (target layers paired with one proxy
+                layer share it); None encodes here.
 
         Returns:
             ``(B, H_l, N)`` logits, higher means keep.
@@ -292,7 +300,8 @@ class HybridAxialMapper(nn.Module):
                              f"path (direct_context {self.config.direct_context}), got {len(earlier)}")
         for e in earlier:
             self._check(e, 3, attention_mask)
-        out = self._head(self.encode(x_layer, attention_mask), target_layer_idx)
+        z = self.encode(x_layer, attention_mask) if encoded is None else encoded
+        out = self._head(z, target_layer_idx)
         if self.direct is None:
             return out
         feats = [self._direct_features(f, attention_mask) for f in (x_layer, *earlier)]

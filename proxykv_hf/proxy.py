@@ -38,7 +38,9 @@ class ProxySpec:
     Attributes:
         kind: ``"model"``, ``"layers"`` or ``"self"``.
         model_id: Hub id or path of the proxy model (kind ``"model"``).
-        layers: target layer indices the proxy runs (kind ``"layers"``); None = all.
+        layers: target layer indices the proxy runs (kind ``"layers"``; None = all), or, for kind ``"self"``, the
+            target's compacted layers whose statistics the mapper reads (None = all of them; a subset spares the
+            other layers the statistics, :func:`check_self_layers`).
         num_layers: L_s, the number of proxy layers the mapper reads.
         num_heads: H_s, query heads per proxy layer.
         statistics: per-key statistics of each head's attention the mapper reads
@@ -58,8 +60,14 @@ class ProxySpec:
             raise ValueError(f"proxy kind must be one of {PROXY_KINDS}, got {self.kind!r}")
         if self.kind == "layers" and not self.layers:
             raise ValueError("a 'layers' proxy needs a non-empty list of layer indices")
-        if self.layers is not None and len(self.layers) != self.num_layers:
-            raise ValueError(f"num_layers ({self.num_layers}) must equal len(layers) ({len(self.layers)})")
+        if self.kind == "model" and self.layers is not None:
+            raise ValueError("a 'model' proxy runs all its layers; layers must be None")
+        if self.layers is not None:
+            if len(self.layers) != self.num_layers:
+                raise ValueError(f"num_layers ({self.num_layers}) must equal len(layers) ({len(self.layers)})")
+            self.layers = [int(i) for i in self.layers]
+            if self.layers != sorted(set(self.layers)) or self.layers[0] < 0:
+                raise ValueError(f"layers must be increasing, distinct and >= 0, got {self.layers}")
         self.statistics = list(check_statistics(self.statistics))
 
     @property
@@ -73,6 +81,27 @@ class ProxySpec:
     @classmethod
     def from_dict(cls, data: dict) -> "ProxySpec":
         return cls(**data)
+
+
+def check_self_layers(layers: list[int] | None, num_target_layers: int) -> list[int]:
+    """The target layers whose statistics a ``"self"`` proxy reads (``layers``; None = all), checked against the
+    mapper's pairing (:func:`~proxykv_hf.mapper.layer_pairing`): each target layer is scored right after its own
+    attention, so the proxy layer it reads must be itself or an earlier one. E.g. ``[0, 2, 4, ...]`` serves layers
+    0 and 1 from layer 0's statistics; ``[1, 3, ...]`` would make layer 0 wait for layer 1 and is refused."""
+    from .mapper import layer_pairing
+
+    if layers is None:
+        return list(range(num_target_layers))
+    if layers[-1] >= num_target_layers:
+        raise ValueError(f"self-proxy layers {layers} out of range for a target with {num_target_layers} "
+                         "compacted layers")
+    pairs = layer_pairing(len(layers), num_target_layers)
+    late = [l for l, p in enumerate(pairs) if layers[p] > l]
+    if late:
+        first = [l for l, p in enumerate(pairs) if l == 0 or p != pairs[l - 1]]  # each proxy layer's first target
+        raise ValueError(f"target layers {late} would read the statistics of a later layer; a self proxy must read "
+                         f"each target layer's statistics from itself or an earlier layer, e.g. layers {first}")
+    return list(layers)
 
 
 def every_kth_layer(num_layers: int, k: int) -> list[int]:
@@ -119,15 +148,18 @@ class FeatureCache(DynamicCache):
     and drops the K/V right away (the proxy's memory premium is one layer's K/V plus one chunk of probabilities)."""
 
     def __init__(self, valid: torch.Tensor | None, chunk_size: int = CHUNK_SIZE,
-                 statistics: tuple[str, ...] = ("sum",), fused: FusedStatistics | None = None):
+                 statistics: tuple[str, ...] = ("sum",), fused: FusedStatistics | None = None,
+                 only: list[int] | None = None):
         super().__init__()
         self.sums: dict[int, torch.Tensor] = {}
         self.valid, self.chunk_size, self.statistics = valid, chunk_size, tuple(statistics)
         self.fused = fused or FusedStatistics()
+        self.only = None if only is None else set(only)  # the layers to record; the others attend as usual
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size, self.statistics,
-                                      self.fused))
+        if self.only is None or layer_idx in self.only:
+            attention.set_pending(_Capture(self.sums, layer_idx, self.valid, self.chunk_size, self.statistics,
+                                          self.fused))
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -187,7 +219,7 @@ def layer_subset(model: nn.Module, layers: list[int]) -> nn.Module:
 def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    *, layers: list[int] | None = None, chunk_size: int = CHUNK_SIZE,
                    statistics: tuple[str, ...] | list[str] = ("sum",),
-                   fused: FusedStatistics | None = None) -> torch.Tensor:
+                   fused: FusedStatistics | None = None, statistics_layers: list[int] | None = None) -> torch.Tensor:
     """Run ``model`` (or the subset ``layers`` of it) on the prompt and return the attention sums.
 
     Args:
@@ -198,9 +230,12 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         chunk_size: queries per chunk.
         statistics: per-key statistics of the attention (see :func:`~proxykv_hf.scoring.attention_sums`).
         fused: how they come with each layer's attention (:class:`~proxykv_hf.scoring.FusedStatistics`).
+        statistics_layers: record only these of the layers run (indices among them; the others attend as usual,
+            as a ``"self"`` proxy with a layer list does); None = every one.
 
     Returns:
-        float32 `(B, L_s, S * H_s, N)` for ``S = len(statistics)`` (statistic-major); rows of padding keys are zero.
+        float32 `(B, L_s, S * H_s, N)` for ``S = len(statistics)`` (statistic-major), ``L_s`` the layers recorded;
+        rows of padding keys are zero.
     """
     attention.use_proxykv_attention(model)
     decoder = decoder_of(model) if layers is None else layer_subset(model, layers)
@@ -208,10 +243,11 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         attention_mask = torch.ones_like(input_ids)
     valid = attention_mask.to(torch.bool)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    cache = FeatureCache(valid, chunk_size, statistics, fused)
+    cache = FeatureCache(valid, chunk_size, statistics, fused, only=statistics_layers)
     decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True)
     order = sorted(cache.sums)  # captured under the layers' own indices
-    if len(order) != len(decoder.layers):
-        raise RuntimeError(f"captured {len(order)} of {len(decoder.layers)} layers; is the attention wrapped?")
+    wanted = len(decoder.layers) if statistics_layers is None else len(set(statistics_layers))
+    if len(order) != wanted:
+        raise RuntimeError(f"captured {len(order)} of {wanted} layers; is the attention wrapped?")
     return torch.stack([cache.sums[i] for i in order], dim=1)  # (B, L_s, H_s, N)

@@ -36,7 +36,8 @@ class Schedule:
         """A plain causal prefill of a layer whose scorer reads statistics of its attention: the output and the
         statistics in one pass, then the layer is scored; None (the model's attention runs) where that does not
         pay."""
-        wanted = getattr(self.scorer, "statistics", ())
+        wanted = self.scorer.statistics_for(self.cache.compactable_layers().index(layer_idx)) \
+            if hasattr(self.scorer, "statistics_for") else ()
         if not wanted or not fuses_with_attention(query, self.cache.fused):
             return None
         Q = query.shape[2]

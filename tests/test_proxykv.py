@@ -428,3 +428,66 @@ def test_side_work_runs_on_one_thread_for_the_process():
     first = side_worker().submit(threading.get_ident).result()
     assert side_worker() is side_worker()
     assert side_worker().submit(threading.get_ident).result() == first != threading.get_ident()
+
+
+@pytest.mark.parametrize("lengths", [[40, 40], [40, 31]])
+def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target, monkeypatch, lengths):
+    """A self proxy whose mapper reads layers 0 and 2 of the four (ProxySpec.layers): the statistics are computed on
+    those two layers only (fused with their attention on an unpadded batch), layers 1 and 3 take their paired
+    layer's features, and every layer keeps the Top-K of the scores the mapper's all-layer forward gives on those
+    two layers' features (the direct path reading one layer back)."""
+    from proxykv_hf import schedule as schedule_module
+    from proxykv_hf import scorers
+    from proxykv_hf.selection import select_topk
+
+    _, ckpt = make_checkpoint(tmp_path, "self")
+    spec = ProxySpec(kind="self", num_layers=2, num_heads=4, layers=[0, 2])
+    torch.manual_seed(2)
+    cfg = MapperConfig.from_dict({**ckpt.mapper.config.to_dict(), "num_proxy_layers": 2, "direct_path": True,
+                                  "direct_context": 1})
+    mapper = HybridAxialMapper(cfg).eval()
+    with torch.no_grad():
+        mapper.direct.weight.normal_(std=3.0)
+    path = save_checkpoint(Checkpoint(mapper=mapper, proxy=spec, target=ckpt.target), tmp_path / "half")
+    fused, summed = [], []
+    real_fused = schedule_module.causal_attention_with_statistics
+    monkeypatch.setattr(schedule_module, "causal_attention_with_statistics",
+                        lambda *a, **k: fused.append(1) or real_fused(*a, **k))
+    real_sums = scorers.proxy.attention_sums
+    monkeypatch.setattr(scorers.proxy, "attention_sums", lambda *a, **k: summed.append(1) or real_sums(*a, **k))
+    inputs = random_prompt(2, 40, lengths=lengths, seed=5)
+    cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, **FLOAT32)
+    target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert (len(fused), len(summed)) == ((2, 0) if lengths[0] == lengths[1] else (0, 2))
+    x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], statistics_layers=[0, 2])
+    assert x.shape[1] == 2
+    scores = mapper(x, attention_mask=inputs["attention_mask"])
+    valid = inputs["attention_mask"].bool()
+    for layer in range(TARGET_LAYERS):
+        idx, _ = select_topk(scores[:, layer], 0.5, valid, n_sink=4)
+        assert torch.equal(idx, cache.layers[layer].kept_positions), layer
+    assert cache.scorer.statistics_for(1) == () and cache.scorer.statistics_for(2) == ("sum",)
+
+
+def test_self_proxy_layers_must_not_read_a_later_layer(tmp_path):
+    """Each target layer is compacted right after its attention, so a self proxy's layer list must pair every
+    target layer with itself or an earlier layer; a model proxy runs all its layers."""
+    from proxykv_hf.proxy import check_self_layers
+
+    assert check_self_layers([0, 2], 4) == [0, 2] and check_self_layers(None, 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"target layers \[0, 2\] would read .* e.g. layers \[0, 2\]"):
+        check_self_layers([1, 3], 4)
+    with pytest.raises(ValueError, match="out of range"):
+        check_self_layers([0, 4], 4)
+    with pytest.raises(ValueError, match="increasing, distinct"):
+        ProxySpec(kind="self", num_layers=2, num_heads=4, layers=[2, 0])
+    with pytest.raises(ValueError, match="'model' proxy runs all its layers"):
+        ProxySpec(kind="model", num_layers=2, num_heads=4, model_id="m", layers=[0, 1])
+    _, ckpt = make_checkpoint(tmp_path, "self")
+    cfg = MapperConfig.from_dict({**ckpt.mapper.config.to_dict(), "num_proxy_layers": 2})
+    with pytest.raises(ValueError, match="would read the statistics of a later layer"):
+        Checkpoint(mapper=HybridAxialMapper(cfg), proxy=ProxySpec(kind="self", num_layers=2, num_heads=4,
+                                                                  layers=[1, 3]), target=ckpt.target)
+    with pytest.raises(ValueError, match="without a layer list reads every target layer"):
+        Checkpoint(mapper=HybridAxialMapper(cfg), proxy=ProxySpec(kind="self", num_layers=2, num_heads=4),
+                   target=ckpt.target)

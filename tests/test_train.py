@@ -626,6 +626,46 @@ def test_training_on_a_subset_of_the_statistics(self_data, tmp_path, target, tok
         train_mapper(tmp_path / "data", tmp_path / "m", mcfg, fast_train(max_steps=2, statistics=["max"]))
 
 
+def test_training_on_a_subset_of_a_self_proxys_layers(self_data, tmp_path, target, tok, texts):
+    """A self proxy's dataset read on layers 0 and 2 of its four gives exactly those feature rows; a mapper trained
+    on them, starting from an all-layer mapper's weights, records the layers as its proxy's and compacts a prompt;
+    the direct-path refit reads the same layers; other datasets and layer lists that would read a later layer are
+    refused."""
+    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
+
+    full, half = MapperDataset(self_data), MapperDataset(self_data, proxy_layers=[0, 2])
+    for i in (0, len(full) - 1):
+        assert torch.equal(half[i]["x"], full[i]["x"][[0, 2]]) and torch.equal(half[i]["y"], full[i]["y"])
+    assert half.manifest.proxy_spec().layers == [0, 2] and full.manifest.proxy_spec().layers is None
+    with pytest.raises(ValueError, match="would read the statistics of a later layer"):
+        MapperDataset(self_data, proxy_layers=[1, 3])
+    with pytest.raises(ValueError, match="increasing, distinct"):
+        MapperDataset(self_data, proxy_layers=[2, 0])
+    layers_data = tmp_path / "layers"
+    build_dataset(texts[:2], target, tok, layers_data, data_config(), oracle=fake_oracle, progress=False)
+    with pytest.raises(ValueError, match="needs a dataset of a 'self' proxy"):
+        MapperDataset(layers_data, proxy_layers=[0])
+
+    start = train_mapper(self_data, tmp_path / "all", mapper_config_for(self_data, "tiny", direct_path=True),
+                         fast_train(max_steps=1))
+    mcfg = mapper_config_for(self_data, "tiny", direct_path=True, proxy_layers=[0, 2])
+    assert mcfg.num_proxy_layers == 2 and mcfg.pairing() == [0, 0, 1, 1]
+    ckpt = train_mapper(self_data, tmp_path / "half", mcfg,
+                        fast_train(max_steps=2, proxy_layers=[0, 2], init_from=str(tmp_path / "all")))
+    assert ckpt.proxy.layers == [0, 2] and ckpt.proxy.num_layers == 2
+    assert TrainConfig.from_dict(ckpt.training["train_config"]).proxy_layers == (0, 2)
+    assert not torch.equal(ckpt.mapper.stem.conv1.weight, start.mapper.stem.conv1.weight)  # it trained on
+    with pytest.raises(ValueError, match="proxy layers"):  # resuming that run on other layers
+        train_mapper(self_data, tmp_path / "half", mcfg, fast_train(max_steps=3, proxy_layers=[0, 1]))
+    refit = refit_direct_path(tmp_path / "half", self_data, tmp_path / "refit", DirectFitConfig(epochs=1,
+                                                                                                progress=False))
+    assert refit.proxy.layers == [0, 2]
+    cache = ProxyKVCache.from_pretrained(str(tmp_path / "half"), keep_ratio=0.3)
+    enc = tok([texts[0]], return_tensors="pt")
+    target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert max(cache.physical_lengths()) < enc["input_ids"].shape[1]
+
+
 def test_resume_accepts_a_manifest_written_before_statistics(tmp_path, target, tok, texts):
     cfg = data_config(proxy_kind="self")
     build_dataset(texts[:2], target, tok, tmp_path, cfg, oracle=fake_oracle, progress=False)

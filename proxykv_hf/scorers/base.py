@@ -119,6 +119,11 @@ class LayerScorer(Scorer):
 
     statistics: tuple[str, ...] = ()
 
+    def statistics_for(self, compact_index: int) -> tuple[str, ...]:
+        """The statistics :meth:`score` reads from the compacted layer at ``compact_index``: :attr:`statistics`
+        on every layer unless a scorer says otherwise."""
+        return self.statistics
+
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         """Scores `(B, H_kv, T)` of one layer."""
         raise NotImplementedError(f"{type(self).__name__}.score")

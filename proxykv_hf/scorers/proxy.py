@@ -10,10 +10,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..proxy import decoder_of, proxy_features
+from ..proxy import check_self_layers, decoder_of, proxy_features
 from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
 from ..selection import LayerMixer, check_kernel_size, check_layer_mix, masked_moments, smooth_scores
 from .base import BackgroundScorer, LayerInputs, Prompt
+from .kvzip import full_attention_layers
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class ProxyScorer(BackgroundScorer):
         self.n_sink = n_sink
         self.needs_input_ids = self.spec.kind != "self"
         self.statistics = tuple(self.spec.statistics) if self.spec.kind == "self" else ()
+        # a self proxy: the compacted layers whose statistics the mapper reads -> their proxy layer index
+        self._proxy_of = {} if self.spec.kind != "self" else {
+            l: p for p, l in enumerate(check_self_layers(self.spec.layers, checkpoint.target.num_layers))}
         self.fused = fused or FusedStatistics()
         if global_norm not in GLOBAL_NORMS:
             raise ValueError(f"global_norm must be one of {GLOBAL_NORMS}, got {global_norm!r}")
@@ -120,7 +124,8 @@ class ProxyScorer(BackgroundScorer):
         if compile_mapper and not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
             encoder.forward = torch.compile(encoder.forward)
         self._mixer = LayerMixer(self.layer_mix)
-        self._earlier: dict[int, torch.Tensor] = {}  # a self proxy's last layers' features (direct_context)
+        self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read
+        self._encoded: tuple[int, torch.Tensor] | None = None  # (proxy layer, its encoding), shared by its targets
         self._same_device = True
         self._scores: torch.Tensor | None = None
         self._event = None
@@ -164,8 +169,13 @@ class ProxyScorer(BackgroundScorer):
         clone = copy.copy(self)
         clone._scores, clone._event, clone._future, clone._error = None, None, None, None
         clone._mixer = LayerMixer(self.layer_mix)
-        clone._earlier = {}
+        clone._features, clone._encoded = {}, None
         return clone
+
+    def statistics_for(self, compact_index: int) -> tuple[str, ...]:
+        """The statistics read from one compacted layer's attention: a self proxy's, on the layers its mapper
+        reads (``ProxySpec.layers``); none elsewhere (those layers run the model's own attention)."""
+        return self.statistics if compact_index in self._proxy_of else ()
 
     def _check(self, prompt: Prompt) -> None:
         model = prompt.model
@@ -182,7 +192,7 @@ class ProxyScorer(BackgroundScorer):
         self._check(prompt)
         self._scores, self._event, self._future, self._error = None, None, None, None
         self._mixer.reset()
-        self._earlier = {}
+        self._features, self._encoded = {}, None
         if self.spec.kind == "self":
             return
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
@@ -239,7 +249,12 @@ class ProxyScorer(BackgroundScorer):
 
     @torch.no_grad()
     def features(self, runner, ids, mask) -> torch.Tensor:
-        """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics."""
+        """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics (a
+        ``"self"`` proxy's: those of the target's layers that its mapper reads, ``runner`` being the target)."""
+        if self.spec.kind == "self":
+            full = full_attention_layers(runner)
+            return proxy_features(runner, ids, mask, chunk_size=self.chunk_size, statistics=self.spec.statistics,
+                                  fused=self.fused, statistics_layers=[full[l] for l in self._proxy_of])
         return proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
                               statistics=self.spec.statistics, fused=self.fused)
 
@@ -259,9 +274,12 @@ class ProxyScorer(BackgroundScorer):
         heads, _, head_dim = attention_shape(runner.config)
         weight = next(runner.parameters())
         query = torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device)
+        layers = self.spec.layers
+        if self.spec.kind == "self" and layers is not None:
+            layers = [full_attention_layers(model)[l] for l in layers]  # compacted -> decoder layer indices
         return prefill_flops(model.config, n_tokens, proxy_kind=self.spec.kind,
                              proxy_config=runner.config if self.spec.kind == "model" else None,
-                             proxy_layers=self.spec.layers, mapper_config=self.mapper.config,
+                             proxy_layers=layers, mapper_config=self.mapper.config,
                              statistics_passes=recomputations(query, self.fused))
 
     @torch.no_grad()
@@ -277,38 +295,41 @@ class ProxyScorer(BackgroundScorer):
     def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
         if self.spec.kind == "self":
-            x = inputs.statistics  # (B, S * H, T), computed in the attention's own pass, or here:
-            if x is None:
-                x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
-                                   query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
-                                   chunk_size=self.chunk_size, statistics=self.spec.statistics)
+            layer = inputs.compact_index
+            if layer in self._proxy_of:
+                x = inputs.statistics  # (B, S * H, T), computed in the attention's own pass, or here:
+                if x is None:
+                    x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
+                                       query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
+                                       chunk_size=self.chunk_size, statistics=self.spec.statistics)
+                self._features[self._proxy_of[layer]] = x
             self.mapper.to(device)
-            mask = inputs.valid.to(device).long()
-            earlier = self._earlier_features(inputs.compact_index, x)
-            return self._map(lambda: self.mapper.forward_layer(x, inputs.compact_index, mask, earlier=earlier), device)
+            return self._map(lambda: self._self_scores(layer, inputs.valid.to(device).long()), device)
         self._wait(device)
         scores = self._scores[:, inputs.compact_index].to(device, non_blocking=True)
         if inputs.compact_index == self.checkpoint.target.num_layers - 1:
             self._scores, self._event = None, None  # free once the last layer has its scores
         return scores
 
-    def _earlier_features(self, layer: int, x: torch.Tensor) -> list[torch.Tensor]:
-        """A self proxy's features of the layers before ``layer`` that the mapper's direct path reads
-        (``MapperConfig.direct_context``), most recent first; keeps ``x`` for the layers after it."""
-        context = self.mapper.config.direct_context
-        if not context:
-            return []
-        paired, *wanted = self.mapper.direct_layers(layer)
-        missing = [q for q in wanted if q not in self._earlier]
+    def _self_scores(self, layer: int, mask: torch.Tensor) -> torch.Tensor:
+        """A self proxy's scores of compacted layer ``layer`` from the features of the proxy layer paired with it
+        and, through the direct path, of the ones before it (``MapperConfig.direct_context``); the encoding of a
+        proxy layer serves every target layer paired with it. Drops the features no later layer reads."""
+        mapper = self.mapper
+        paired, *earlier = mapper.direct_layers(layer) if mapper.direct is not None else [mapper.pairing()[layer]]
+        missing = [q for q in (paired, *earlier) if q not in self._features]
         if missing:
-            raise RuntimeError(f"layer {layer}'s mapper reads the statistics of layers {wanted}, but {missing} were "
-                               "not scored before it in this prefill (layers must come in order, one prompt at a "
-                               "time; start each prompt on a fresh or reset cache)")
-        earlier = [self._earlier[q] for q in wanted]
-        self._earlier[paired] = x
-        for q in [q for q in self._earlier if q <= paired - context]:
-            del self._earlier[q]  # no later layer reads it
-        return earlier
+            raise RuntimeError(f"layer {layer}'s mapper reads the statistics of proxy layers {[paired, *earlier]}, "
+                               f"but {missing} were not scored before it in this prefill (layers must come in order, "
+                               "one prompt at a time; start each prompt on a fresh or reset cache)")
+        x = self._features[paired]
+        if self._encoded is None or self._encoded[0] != paired:
+            self._encoded = (paired, mapper.encode(x, mask))
+        scores = mapper.forward_layer(x, layer, mask, earlier=[self._features[q] for q in earlier],
+                                      encoded=self._encoded[1])
+        for q in [q for q in self._features if q < paired - mapper.config.direct_context]:
+            del self._features[q]  # later layers read this proxy layer or later ones, and as far back as this one
+        return scores
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

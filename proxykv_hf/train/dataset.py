@@ -23,13 +23,20 @@ class MapperDataset(Dataset):
 
     ``statistics`` reads a subset of the stored proxy statistics (default: all ``S`` of them, statistic-major
     along the head axis); :attr:`manifest` then describes that subset
-    (:meth:`~proxykv_hf.train.manifest.Manifest.with_statistics`).
+    (:meth:`~proxykv_hf.train.manifest.Manifest.with_statistics`). ``proxy_layers`` reads a subset of the stored
+    proxy layers of a ``"self"`` proxy's dataset, as indices into them
+    (:meth:`~proxykv_hf.train.manifest.Manifest.with_proxy_layers`).
     """
 
-    def __init__(self, data_dir: str | os.PathLike, statistics: Sequence[str] | None = None):
+    def __init__(self, data_dir: str | os.PathLike, statistics: Sequence[str] | None = None,
+                 proxy_layers: Sequence[int] | None = None):
         self.root = Path(data_dir)
         self.manifest = Manifest.load(self.root)
         self._heads: Tensor | None = None
+        self._layers: Tensor | None = None
+        if proxy_layers is not None:
+            self.manifest = self.manifest.with_proxy_layers(proxy_layers)
+            self._layers = torch.tensor(list(proxy_layers))
         if statistics is not None:
             stored = self.manifest.proxy_spec().statistics
             self.manifest = self.manifest.with_statistics(statistics)
@@ -63,7 +70,8 @@ class MapperDataset(Dataset):
         row = index - self.offsets[shard]
         f = self._open(shard)
         get = lambda name: f.get_slice(name)[row:row + 1][0]  # noqa: E731
-        x = get("x") if self._heads is None else get("x")[:, self._heads]
+        x = get("x") if self._layers is None else get("x")[self._layers]
+        x = x if self._heads is None else x[:, self._heads]
         return {"x": x.float(), "y": get("y").float(), "mask": get("mask").bool()}
 
     @property

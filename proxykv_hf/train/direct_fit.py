@@ -30,6 +30,7 @@ from .._fields import check_known_fields
 from ..hub import Checkpoint, load_checkpoint, save_checkpoint
 from ..mapper import HybridAxialMapper
 from .dataset import MapperDataset, split_dataset
+from .manifest import Manifest
 from .evaluate import logit_metrics
 from .losses import LossConfig, hybrid_loss
 from .mapper_init import check_mapper_fits, init_mapper_from
@@ -159,7 +160,7 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
     if mapper.direct is None:
         raise ValueError(f"{checkpoint} has no direct path (MapperConfig.direct_path is off): nothing to refit")
     mapper = _with_context(mapper, cfg.direct_context)
-    dataset = MapperDataset(data_dir, statistics=ckpt.proxy.statistics)
+    dataset = MapperDataset(data_dir, statistics=ckpt.proxy.statistics, proxy_layers=_stored_indices(ckpt, data_dir))
     check_mapper_fits(mapper.config, dataset.manifest)
     for name, want, got in (("target", ckpt.target.model_id, dataset.manifest.target_spec().model_id),
                             ("proxy kind", ckpt.proxy.kind, dataset.manifest.proxy_spec().kind)):
@@ -225,3 +226,15 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
                 refit["val_loss_after"] or 0.0, best["epoch"])
     save_checkpoint(dataclasses.replace(ckpt, mapper=mapper, training=training, metrics=metrics), out)
     return load_checkpoint(out)
+
+
+def _stored_indices(ckpt, data_dir) -> list[int] | None:
+    """Where a self proxy's checkpoint reads a subset of layers, their indices among the dataset's stored ones."""
+    if ckpt.proxy.kind != "self" or ckpt.proxy.layers is None:
+        return None
+    spec = Manifest.load(data_dir).proxy_spec()
+    stored = spec.layers if spec.layers is not None else list(range(spec.num_layers))
+    missing = [l for l in ckpt.proxy.layers if l not in stored]
+    if missing:
+        raise ValueError(f"{data_dir} holds no features of the layers {missing} that the checkpoint reads")
+    return [stored.index(l) for l in ckpt.proxy.layers]

@@ -93,6 +93,10 @@ class TrainConfig:
         statistics: train on these proxy statistics of the dataset (a subset, e.g. ``("sum",)`` of a sum+max
             dataset; :class:`~proxykv_hf.train.dataset.MapperDataset`); None = all it holds. The mapper config
             must read as many (:func:`mapper_config_for` with the same ``statistics``).
+        proxy_layers: train on these of the dataset's proxy layers (indices into them, increasing; a ``"self"``
+            proxy's dataset only): the statistics are then computed on those target layers alone at inference
+            (:func:`~proxykv_hf.proxy.check_self_layers`); None = all. The mapper config must read as many
+            (:func:`mapper_config_for` with the same ``proxy_layers``).
         log_every: steps between ``"step"`` records of ``log.jsonl`` (each the mean over those steps).
         progress: tqdm bars (main process only).
     """
@@ -119,6 +123,7 @@ class TrainConfig:
     init_from: str | None = None
     direct_path_lr_mult: float = 1.0
     statistics: tuple[str, ...] | None = None
+    proxy_layers: tuple[int, ...] | None = None
     log_every: int = 50
     progress: bool = True
 
@@ -149,13 +154,18 @@ class TrainConfig:
             raise ValueError(f"eval_ratios must be values in (0, 1], got {self.eval_ratios!r}")
         if self.statistics is not None:
             self.statistics = check_statistics(self.statistics)
+        if self.proxy_layers is not None:
+            self.proxy_layers = tuple(self.proxy_layers)
+            if not self.proxy_layers or any(isinstance(i, bool) or not isinstance(i, int) for i in self.proxy_layers):
+                raise ValueError(f"proxy_layers must be a non-empty list of ints or None, got {self.proxy_layers!r}")
         if not isinstance(self.loss, LossConfig):
             raise ValueError(f"loss must be a LossConfig, got {type(self.loss).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable field dict."""
         return {**dataclasses.asdict(self), "loss": self.loss.to_dict(), "eval_ratios": list(self.eval_ratios),
-                "statistics": None if self.statistics is None else list(self.statistics)}
+                "statistics": None if self.statistics is None else list(self.statistics),
+                "proxy_layers": None if self.proxy_layers is None else list(self.proxy_layers)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -191,7 +201,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
 
     cfg = train_config or TrainConfig()
     out = Path(out_dir)
-    dataset = MapperDataset(data_dir, statistics=cfg.statistics)
+    dataset = MapperDataset(data_dir, statistics=cfg.statistics, proxy_layers=cfg.proxy_layers)
     manifest = dataset.manifest
     check_mapper_fits(mapper_config, manifest)
     if len(dataset) == 0:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from .._fields import DTYPES as STORAGE_DTYPES, check_known_fields
 from ..hub import TargetSpec
-from ..proxy import PROXY_KINDS, ProxySpec
+from ..proxy import PROXY_KINDS, ProxySpec, check_self_layers
 from ..scoring import check_statistics
 
 MANIFEST_NAME = "manifest.json"
@@ -178,6 +178,23 @@ class Manifest:
             raise ValueError(f"the dataset holds the proxy statistics {list(stored)}, not {statistics}")
         return dataclasses.replace(self, proxy={**self.proxy, "statistics": statistics},
                                    data_config={**self.data_config, "proxy_statistics": statistics})
+
+    def with_proxy_layers(self, indices: Sequence[int]) -> Manifest:
+        """This manifest as seen through a subset of its stored proxy layers (``indices`` into them, increasing):
+        what a mapper trained on those layers records as its proxy, or ``ValueError``. Only for a ``"self"``
+        proxy, whose layers' statistics are independent of each other (a model's later layers depend on the earlier
+        ones it would no longer run)."""
+        spec = self.proxy_spec()
+        if spec.kind != "self":
+            raise ValueError(f"a subset of proxy layers needs a dataset of a 'self' proxy, this one's is {spec.kind!r}")
+        indices = [int(i) for i in indices]
+        if not indices or indices != sorted(set(indices)) or indices[0] < 0 or indices[-1] >= spec.num_layers:
+            raise ValueError(f"proxy layers must be increasing, distinct indices in [0, {spec.num_layers}), got "
+                             f"{indices}")
+        stored = spec.layers if spec.layers is not None else list(range(spec.num_layers))
+        layers = [stored[i] for i in indices]
+        check_self_layers(layers, self.target["num_layers"])
+        return dataclasses.replace(self, proxy={**self.proxy, "layers": layers, "num_layers": len(layers)})
 
     def summary(self) -> dict[str, Any]:
         """The data part of a checkpoint's ``training`` record."""

@@ -24,14 +24,18 @@ WIDENING_INPUTS = {"num_statistics": (("stem.conv1.weight", 1), ("direct.weight"
 
 
 def mapper_config_for(data: str | os.PathLike | Manifest, preset: str = "small", *,
-                      statistics: Sequence[str] | None = None, **overrides) -> MapperConfig:
+                      statistics: Sequence[str] | None = None, proxy_layers: Sequence[int] | None = None,
+                      **overrides) -> MapperConfig:
     """A :class:`MapperConfig` preset (``"paper"``, ``"small"``, ``"tiny"``) shaped for a dataset: proxy layers,
     heads and statistics (each read through :data:`STATISTIC_TRANSFORMS`; ``statistics``: a subset of the
-    dataset's, as ``TrainConfig.statistics``), target layers and KV heads, and the dataset's crop length and
-    stride as the inference windows."""
+    dataset's, as ``TrainConfig.statistics``; ``proxy_layers``: a subset of its proxy layers, as
+    ``TrainConfig.proxy_layers``), target layers and KV heads, and the dataset's crop length and stride as the
+    inference windows."""
     manifest = data if isinstance(data, Manifest) else Manifest.load(data)
     if statistics is not None:
         manifest = manifest.with_statistics(statistics)
+    if proxy_layers is not None:
+        manifest = manifest.with_proxy_layers(proxy_layers)
     if preset not in ("paper", "small", "tiny"):
         raise ValueError(f"preset must be 'paper', 'small' or 'tiny', got {preset!r}")
     transforms = [STATISTIC_TRANSFORMS[s] for s in manifest.proxy_spec().statistics]
@@ -66,7 +70,9 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
     statistics (:data:`WIDENING_INPUTS`: e.g. the sum and the max where ``start`` read the sum; the weights on the
     new feature rows start at zero) or more earlier proxy layers in the direct path (``direct_context``), the
     statistics each through its own transform (``input_transform="log1p,log"`` after
-    ``"log1p"``). Either way ``mapper`` starts out computing exactly what ``start`` computes.
+    ``"log1p"``). Either way ``mapper`` starts out computing exactly what ``start`` computes. It may also read
+    another number of proxy layers (``num_proxy_layers``, e.g. a self proxy's layer subset,
+    ``TrainConfig.proxy_layers``): no weight depends on it, only which proxy layer each target layer reads.
     """
     new, old = mapper.config.to_dict(), start.config.to_dict()
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
@@ -75,7 +81,8 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
         before, after = old["input_transform"].split(","), diff["input_transform"][1].split(",")
         if after[:len(before)] == before:
             grown.add("input_transform")  # the widened mapper reads its new statistics through their own transform
-    if any(k not in grown and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
+    repaired = {"num_proxy_layers"}  # the pairing changes, no parameter's shape
+    if any(k not in grown | repaired and (k not in ADDITIVE_FIELDS or old.get(k) != ADDITIVE_FIELDS[k]) for k in diff):
         raise ValueError(f"{name} holds another mapper config (field: (checkpoint, new)) {diff}")
     if "num_statistics" in grown and (old.get("direct_context") or new.get("direct_context")):
         raise ValueError(f"{name}: widen the statistics with direct_context 0, then the direct context")

@@ -60,7 +60,7 @@ def save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: Tra
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "state": dataclasses.asdict(state), "rng": rng, "mapper_config": config.to_dict(),
                 "order": {k: getattr(train_config, k) for k in _ORDER_FIELDS},
-                "statistics": train_config.statistics},
+                "statistics": train_config.statistics, "proxy_layers": train_config.proxy_layers},
                tmp / "state.pt")
     if last.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -90,6 +90,9 @@ def load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: torc
     if saved.get("statistics") != train_config.statistics:  # same count, other rows: the mapper config would pass
         raise ValueError(f"{path} holds a run on the statistics {saved.get('statistics') or 'all'}, not "
                          f"{train_config.statistics or 'all'}; use another out_dir or resume=False")
+    if saved.get("proxy_layers") != train_config.proxy_layers:  # same count, other layers: as the statistics
+        raise ValueError(f"{path} holds a run on the proxy layers {saved.get('proxy_layers') or 'all'}, not "
+                         f"{train_config.proxy_layers or 'all'}; use another out_dir or resume=False")
     if saved["mapper_config"] != config.to_dict():
         diff = {k: (saved["mapper_config"].get(k), v) for k, v in config.to_dict().items()
                 if saved["mapper_config"].get(k) != v}
