@@ -70,6 +70,10 @@ class ProxySpec:
                 raise ValueError(f"layers must be increasing, distinct and >= 0, got {self.layers}")
         self.statistics = list(check_statistics(self.statistics))
 
+    def layer_list(self) -> list[int]:
+        """:attr:`layers`, or all ``num_layers`` indices where it is None."""
+        return list(self.layers) if self.layers is not None else list(range(self.num_layers))
+
     @property
     def num_features(self) -> int:
         """Feature rows per proxy layer: ``len(statistics) * num_heads``."""

@@ -30,9 +30,9 @@ from .._fields import check_known_fields
 from ..hub import Checkpoint, load_checkpoint, save_checkpoint
 from ..mapper import HybridAxialMapper
 from .dataset import MapperDataset, split_dataset
-from .manifest import Manifest
 from .evaluate import logit_metrics
 from .losses import LossConfig, hybrid_loss
+from .manifest import Manifest
 from .mapper_init import check_mapper_fits, init_mapper_from
 
 __all__ = ["DirectFitConfig", "refit_direct_path"]
@@ -233,7 +233,7 @@ def _stored_indices(ckpt, data_dir) -> list[int] | None:
     if ckpt.proxy.kind != "self" or ckpt.proxy.layers is None:
         return None
     spec = Manifest.load(data_dir).proxy_spec()
-    stored = spec.layers if spec.layers is not None else list(range(spec.num_layers))
+    stored = spec.layer_list()
     missing = [l for l in ckpt.proxy.layers if l not in stored]
     if missing:
         raise ValueError(f"{data_dir} holds no features of the layers {missing} that the checkpoint reads")

@@ -191,7 +191,7 @@ class Manifest:
         if not indices or indices != sorted(set(indices)) or indices[0] < 0 or indices[-1] >= spec.num_layers:
             raise ValueError(f"proxy layers must be increasing, distinct indices in [0, {spec.num_layers}), got "
                              f"{indices}")
-        stored = spec.layers if spec.layers is not None else list(range(spec.num_layers))
+        stored = spec.layer_list()
         layers = [stored[i] for i in indices]
         check_self_layers(layers, self.target["num_layers"])
         return dataclasses.replace(self, proxy={**self.proxy, "layers": layers, "num_layers": len(layers)})
