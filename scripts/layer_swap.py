@@ -11,7 +11,10 @@ Per sample, one prefill scored by KVzip and one by ProxyKV (the bundled model an
 every layer), ``kvzip`` (KVzip's everywhere) and ``kvzip@A-B`` (KVzip's in layers A..B, ProxyKV's elsewhere). If
 ``kvzip@A-B`` answers where ``proxykv`` does not, ProxyKV's choices in those layers lost the answer. The second
 table: per layer, the share of (KV head, answer token) pairs each method keeps, over the samples whose answer
-strings are found in the context. Records (one JSON line per sample) go to ``--out``; a rerun appends.
+strings are found in the context. The third: per range of ``--groups``, the tokens that one method keeps in a head
+and the other does not, by their median position (a share of the context) and their median count in the context
+(how often the same token occurs), averaged over the heads. Records (one JSON line per sample) go to ``--out``; a
+rerun appends. ``--samples`` picks samples by index among the first ``--n-samples`` of each task.
 """
 
 from __future__ import annotations
@@ -77,16 +80,43 @@ def kept_share(scores: dict[int, torch.Tensor], keep: int, positions: list[int])
     return out
 
 
+def exclusive_tokens(ids: list[int], kept_a: torch.Tensor, kept_b: torch.Tensor, layers: list[int],
+                     keep: int) -> dict[str, list[float]]:
+    """The tokens ``a`` keeps and ``b`` does not (``"a"``), and the other way round (``"b"``), in ``layers``:
+    ``[median position / T, median count of the token in ids]`` averaged over the (layer, KV head) pairs where
+    there are any. ``kept_a`` / ``kept_b``: dicts of scores (1, H_kv, T) per layer, ranked as the Top-``keep``."""
+    t = len(ids)
+    ids_t = torch.tensor(ids)
+    count = (ids_t[:, None] == ids_t[None, :]).sum(1).float()
+    position = torch.arange(t, dtype=torch.float32) / t
+    out = {}
+    for name, mine, other in (("a", kept_a, kept_b), ("b", kept_b, kept_a)):
+        pos, cnt = [], []
+        for layer in layers:
+            m, o = mine[layer][0], other[layer][0]
+            top_m = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, m.topk(keep, -1).indices, True)
+            top_o = torch.zeros_like(o, dtype=torch.bool).scatter_(-1, o.topk(keep, -1).indices, True)
+            for only in top_m & ~top_o:
+                if only.any():
+                    pos.append(position[only].median().item())
+                    cnt.append(count[only].median().item())
+        out[name] = [sum(pos) / len(pos), sum(cnt) / len(cnt)] if pos else [float("nan"), float("nan")]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=["needle:filler-dev", "needle:readmes"])
     p.add_argument("--n-samples", type=int, default=10)
+    p.add_argument("--samples", type=int, nargs="+", default=None,
+                   help="sample indices among the first --n-samples of each task (default: all of them)")
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--keep-ratio", type=float, default=0.3)
     p.add_argument("--groups", nargs="+", default=["0-9", "10-19", "20-29"], help="layer ranges A-B")
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--mapper", default=None, help="mapper checkpoint (default: the bundled one)")
+    p.add_argument("--layer-mix", type=float, default=None, help="ProxyKV's layer_mix (default: the checkpoint's)")
     p.add_argument("--out", default="runs/layer-swap.jsonl")
     ns = p.parse_args(argv)
     bad = [t for t in ns.tasks if split_of_task(t) != "dev"]
@@ -95,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     from proxykv_hf.cli_helpers import BUNDLED_MAPPER
 
     model, tok = load_model_and_tokenizer(ns.model)
-    options = ScorerContext(tokenizer=tok, mapper=ns.mapper or str(BUNDLED_MAPPER), seed=DEV_SEED)
+    options = ScorerContext(tokenizer=tok, mapper=ns.mapper or str(BUNDLED_MAPPER), seed=DEV_SEED,
+                            layer_mix=ns.layer_mix)
     kvzip, proxykv = build_method("kvzip", model, options), build_method("proxykv", model, options)
     groups = {g: parse_group(g, model.config.num_hidden_layers) for g in ns.groups}
     out = Path(ns.out)
@@ -104,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     with out.open("a") as log:
         for task in ns.tasks:
             for i, sample in enumerate(task_lib.generate(task, ns.n_samples, ns.context_length, tok, DEV_SEED)):
+                if ns.samples is not None and i not in ns.samples:
+                    continue
                 ctx_ids, q_ids = encode_sample(sample, tok)
                 ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])
                 by_k, by_p = recorded(model, kvzip, ctx), recorded(model, proxykv, ctx)
@@ -117,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                     ids = answer_from_cache(model, cache, ctx, q, max_new_tokens=ns.max_new_tokens, do_sample=False,
                                             pad_token_id=tok.pad_token_id)
                     row["scores"][name] = score_sample(sample, tok.decode(ids[0], skip_special_tokens=True))
+                keep = max(1, int(ns.keep_ratio * len(ctx_ids)))
+                row["exclusive"] = {g: exclusive_tokens(ctx_ids, by_p.scores, by_k.scores, ls, keep)
+                                    for g, ls in groups.items()}
                 positions = answer_positions(tok, ctx_ids, sample.answers)
                 if positions:
-                    keep = max(1, int(ns.keep_ratio * len(ctx_ids)))
                     row["kept_answer_tokens"] = {"proxykv": kept_share(by_p.scores, keep, positions),
                                                  "kvzip": kept_share(by_k.scores, keep, positions)}
                 log.write(json.dumps(row) + "\n")
@@ -130,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\naccuracy % at keep ratio {ns.keep_ratio}, {len(rows)} samples")
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
     print("| " + " | ".join(f"{100 * sum(r['scores'][n] for r in rows) / len(rows):.1f}" for n in names) + " |")
+    print(f"\ntokens one method keeps and the other does not: median position (share of the context) and median "
+          f"count in the context, mean over heads and {len(rows)} samples")
+    print("| layers | ProxyKV only: position | count | KVzip only: position | count |\n|---|---|---|---|---|")
+    for g in groups:
+        mean = [sum(r["exclusive"][g][m][j] for r in rows) / len(rows) for m in ("a", "b") for j in (0, 1)]
+        print(f"| {g} | {mean[0]:.2f} | {mean[1]:.1f} | {mean[2]:.2f} | {mean[3]:.1f} |")
     found = [r for r in rows if "kept_answer_tokens" in r]
     if found:
         print(f"\nshare of the answer's tokens kept per layer ({len(found)} samples)\n| layer | ProxyKV | KVzip |\n|---|---|---|")

@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--mapper", default=None, help="ProxyKV checkpoint (default: the bundled one)")
+    ap.add_argument("--layer-mix", type=float, default=None,
+                    help="ProxyKV's layer_mix (default: the checkpoint's)")
     ap.add_argument("--out", type=Path, required=True, help="JSONL file the records are appended to")
     ns = ap.parse_args(argv)
     model, tok = load(ns)
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"samples {bad} are outside the {len(samples)} samples of {ns.task}")
     with tempfile.TemporaryDirectory() as tmp:
-        context = registry.ScorerContext(model=model, tokenizer=tok, mapper=mapper_for(ns, model, tmp))
+        context = registry.ScorerContext(model=model, tokenizer=tok, mapper=mapper_for(ns, model, tmp),
+                                          layer_mix=ns.layer_mix)
         scorers = {m: registry.build(m, context) for m in ns.methods}
         print("| sample | value | method | heads keeping the whole value | value kept | key phrase kept |")
         print("|---|---|---|---|---|---|")

@@ -48,3 +48,14 @@ def test_groups_and_the_dev_only_rule(swap):
             swap.parse_group(bad, 30)
     with pytest.raises(SystemExit, match="dev split only"):
         swap.main(["--tasks", "passkey:filler-test"])
+
+
+def test_exclusive_tokens_report_where_and_how_common_each_methods_own_tokens_are(swap):
+    ids = [7, 7, 7, 7, 1, 2, 3, 4]  # token 7 occurs four times, the others once
+    early = torch.tensor([[[9.0, 8.0, 0, 0, 0, 0, 0, 0]]])  # (1, H_kv=1, T=8): keeps positions 0 and 1
+    late = torch.tensor([[[0, 0, 0, 0, 0, 0, 8.0, 9.0]]])  # keeps positions 6 and 7
+    got = swap.exclusive_tokens(ids, {0: early}, {0: late}, [0], 2)
+    assert got["a"] == [0.0, 4.0]  # positions 0 and 1 (torch's median: the lower middle), a token seen four times
+    assert got["b"] == [6 / 8, 1.0]
+    same = swap.exclusive_tokens(ids, {0: early}, {0: early}, [0], 2)
+    assert all(v != v for v in same["a"] + same["b"])  # nothing kept by one alone: NaN, not a made-up figure
