@@ -28,7 +28,7 @@ import torch
 from proxykv_hf.eval import tasks as task_lib
 from proxykv_hf.eval.methods import RecordingCache, build_method, compacted_copy
 from proxykv_hf.eval.metrics import score_sample
-from proxykv_hf.eval.prompts import encode_sample
+from proxykv_hf.eval.prompts import encode_sample, token_spans
 from proxykv_hf.eval.splits import split_of_task
 from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
 from proxykv_hf.pipeline import answer_from_cache
@@ -39,19 +39,7 @@ DEV_SEED = 1_000_003
 
 def answer_positions(tokenizer, ids: list[int], answers: list[str]) -> list[int]:
     """Positions of the tokens that overlap any occurrence of an answer string in the decoded context."""
-    pieces = [tokenizer.decode([t]) for t in ids]
-    starts, at = [], 0
-    for piece in pieces:
-        starts.append(at)
-        at += len(piece)
-    text = "".join(pieces)
-    found = set()
-    for answer in answers:
-        k = text.find(answer)
-        while answer and k >= 0:
-            found.update(j for j, s in enumerate(starts) if s < k + len(answer) and s + len(pieces[j]) > k)
-            k = text.find(answer, k + 1)
-    return sorted(found)
+    return sorted({j for answer in answers for span in token_spans(tokenizer, ids, answer) for j in span})
 
 
 def parse_group(text: str, n_layers: int) -> list[int]:

@@ -23,7 +23,7 @@ import torch
 from proxykv_hf import ProxyKVCache
 from proxykv_hf.cli_helpers import load, mapper_for
 from proxykv_hf.eval import tasks as task_lib
-from proxykv_hf.eval.prompts import encode_sample
+from proxykv_hf.eval.prompts import encode_sample, token_spans
 from proxykv_hf.models import DEFAULT_MODEL
 from proxykv_hf.scorers import registry
 
@@ -32,17 +32,10 @@ KEY_TOKENS = 12  # tokens before the value counted as its key phrase
 
 def value_positions(ctx: list[int], value: str, tokenizer) -> list[int]:
     """Positions of the tokens that spell the last occurrence of ``value`` in the context ``ctx``."""
-    pieces = [tokenizer.decode([t]) for t in ctx]
-    text = "".join(pieces)
-    start = text.rfind(value)
-    if start < 0:
+    spans = token_spans(tokenizer, ctx, value)
+    if not spans:
         raise ValueError(f"the value {value!r} is not in the decoded context")
-    end, out, at = start + len(value), [], 0
-    for i, piece in enumerate(pieces):
-        if at < end and at + len(piece) > start:
-            out.append(i)
-        at += len(piece)
-    return out
+    return spans[-1]
 
 
 @torch.no_grad()

@@ -59,3 +59,13 @@ def test_exclusive_tokens_report_where_and_how_common_each_methods_own_tokens_ar
     assert got["b"] == [6 / 8, 1.0]
     same = swap.exclusive_tokens(ids, {0: early}, {0: early}, [0], 2)
     assert all(v != v for v in same["a"] + same["b"])  # nothing kept by one alone: NaN, not a made-up figure
+
+
+def test_token_spans_give_each_occurrence_in_order():
+    from proxykv_hf.eval.prompts import token_spans
+
+    tok = tiny_tokenizer()  # one token per byte
+    ids = tok.encode("aaa b aaa", add_special_tokens=False)
+    assert token_spans(tok, ids, "aa") == [[0, 1], [1, 2], [6, 7], [7, 8]]  # overlapping occurrences too
+    assert token_spans(tok, ids, "b") == [[4]]
+    assert token_spans(tok, ids, "zz") == [] and token_spans(tok, ids, "") == []

@@ -117,3 +117,19 @@ def _chat_text(tokenizer: Any, context: str, question: str, answer_prefix: str, 
     head = bos + context
     text = head + "\n\n" + question + "\n" + answer_prefix
     return text, len(head), len(head) + 2
+
+
+def token_spans(tokenizer: Any, ids: list[int], text: str) -> list[list[int]]:
+    """Per occurrence of ``text`` in the decoded ``ids`` (overlapping ones included, in order), the positions of the
+    tokens that spell it: those whose decoded piece overlaps the occurrence. An empty ``text`` has none."""
+    pieces = [tokenizer.decode([t]) for t in ids]
+    starts, at = [], 0
+    for piece in pieces:
+        starts.append(at)
+        at += len(piece)
+    decoded = "".join(pieces)
+    spans, k = [], decoded.find(text) if text else -1
+    while k >= 0:
+        spans.append([j for j, s in enumerate(starts) if s < k + len(text) and s + len(pieces[j]) > k])
+        k = decoded.find(text, k + 1)
+    return spans
