@@ -276,7 +276,8 @@ class ProxyScorer(BackgroundScorer):
         query = torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device)
         layers = self.spec.layers
         if self.spec.kind == "self" and layers is not None:
-            layers = [full_attention_layers(model)[l] for l in layers]  # compacted -> decoder layer indices
+            full = full_attention_layers(model)
+            layers = [full[l] for l in layers]  # compacted -> decoder layer indices
         return prefill_flops(model.config, n_tokens, proxy_kind=self.spec.kind,
                              proxy_config=runner.config if self.spec.kind == "model" else None,
                              proxy_layers=layers, mapper_config=self.mapper.config,
