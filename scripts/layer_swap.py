@@ -58,18 +58,18 @@ def recorded(model, scorer, ctx: torch.Tensor) -> RecordingCache:
     return cache
 
 
+def top_mask(scores: torch.Tensor, keep: int) -> torch.Tensor:
+    """`(H_kv, T)` scores -> `(H_kv, T)` bool: each head's top ``keep`` positions."""
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(keep, -1).indices, True)
+
+
 def kept_share(scores: dict[int, torch.Tensor], keep: int, positions: list[int]) -> list[float]:
     """Per layer, the share of (KV head, position) pairs of ``positions`` in each head's top ``keep``."""
-    out = []
-    for layer in sorted(scores):
-        s = scores[layer][0]  # (H_kv, T)
-        top = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, s.topk(keep, -1).indices, True)
-        out.append(top[:, positions].float().mean().item())
-    return out
+    return [top_mask(scores[layer][0], keep)[:, positions].float().mean().item() for layer in sorted(scores)]
 
 
-def exclusive_tokens(ids: list[int], kept_a: torch.Tensor, kept_b: torch.Tensor, layers: list[int],
-                     keep: int) -> dict[str, list[float]]:
+def exclusive_tokens(ids: list[int], kept_a: dict[int, torch.Tensor], kept_b: dict[int, torch.Tensor],
+                     layers: list[int], keep: int) -> dict[str, list[float]]:
     """The tokens ``a`` keeps and ``b`` does not (``"a"``), and the other way round (``"b"``), in ``layers``:
     ``[median position / T, median count of the token in ids]`` averaged over the (layer, KV head) pairs where
     there are any. ``kept_a`` / ``kept_b``: dicts of scores (1, H_kv, T) per layer, ranked as the Top-``keep``."""
@@ -77,14 +77,13 @@ def exclusive_tokens(ids: list[int], kept_a: torch.Tensor, kept_b: torch.Tensor,
     ids_t = torch.tensor(ids)
     count = (ids_t[:, None] == ids_t[None, :]).sum(1).float()
     position = torch.arange(t, dtype=torch.float32) / t
+    tops = {name: {layer: top_mask(kept[layer][0], keep) for layer in layers}
+            for name, kept in (("a", kept_a), ("b", kept_b))}
     out = {}
-    for name, mine, other in (("a", kept_a, kept_b), ("b", kept_b, kept_a)):
+    for name, other in (("a", "b"), ("b", "a")):
         pos, cnt = [], []
         for layer in layers:
-            m, o = mine[layer][0], other[layer][0]
-            top_m = torch.zeros_like(m, dtype=torch.bool).scatter_(-1, m.topk(keep, -1).indices, True)
-            top_o = torch.zeros_like(o, dtype=torch.bool).scatter_(-1, o.topk(keep, -1).indices, True)
-            for only in top_m & ~top_o:
+            for only in tops[name][layer] & ~tops[other][layer]:
                 if only.any():
                     pos.append(position[only].median().item())
                     cnt.append(count[only].median().item())
