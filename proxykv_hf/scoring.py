@@ -23,7 +23,10 @@ pass.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -286,68 +289,145 @@ def _check_heads_and_chunk(query: torch.Tensor, key: torch.Tensor, chunk_size: i
 def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_size, statistics, value=None):
     """The chunked PyTorch path: ``({statistic: (B, H_kv, G, T)}, attention output (B, H, Q, D) or None)``.
 
-    With ``value`` the attention output is computed from the same probabilities, before any query weighting."""
-    B, H, Q, D = query.shape
-    _, H_kv, T, _ = key.shape
-    G = H // H_kv
-    k = key.float()
-    v = None if value is None else value.float()
-    out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
-    peak = torch.zeros_like(out) if "max" in statistics else None
-    lookback = torch.zeros_like(out) if "lookback" in statistics else None
-    first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) if lookback is not None else None
-    first_rows = None if first is None else first.expand(B).tolist()  # read once, not per chunk (no device sync)
-    attended = None if v is None else torch.empty(B, H_kv, G, Q, v.shape[-1], dtype=query.dtype, device=query.device)
+    With ``value`` the attention output is computed from the same probabilities, before any query weighting. On a
+    CPU with more than one torch thread and enough work, the query chunks are split between single-threaded workers
+    (:func:`_cpu_workers`), each with its own buffer and sums: no chunk's probabilities pass from one core to another.
+    """
+    Q = query.shape[2]
     if query_valid is not None and query.device.type == "cpu" and bool(query_valid.all()):
         query_valid = None  # nothing to weight (off the GPU the check costs no device sync)
-    causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
-    plain = attention_mask is None and T >= Q  # causal, no padding: only each chunk's diagonal block is masked
-    k_t = k.transpose(-1, -2)  # (B, H_kv, D, T)
-    per_pass = _kv_heads_per_pass(query.device, H_kv)
-    # one buffer for every chunk's logits, softmaxed in place: no fresh chunk-sized allocation (and page faults) per
-    # chunk, and no second chunk-sized tensor for the probabilities
-    scratch = torch.empty(B * per_pass * G * min(chunk_size, Q) * T, dtype=torch.float32, device=query.device)
-    for q0 in range(0, Q, chunk_size):
-        q1 = min(q0 + chunk_size, Q)
-        t_end = min(T, q1 + T - Q) if causal else T
-        d0 = q0 + T - Q  # key position of the chunk's first query
-        C = q1 - q0
-        if plain:  # what each chunk hides: the future inside its diagonal block, or the mask's own bias
-            future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
-        else:
-            bias = _chunk_bias(attention_mask, q0, q1, Q, T, query.device, t_end)[:, :, None]  # (B|1, 1, 1, C, t_end)
-        for h0 in range(0, H_kv, per_pass):
-            h1 = min(h0 + per_pass, H_kv)
-            heads, n = slice(h0, h1), h1 - h0
-            q = query[:, h0 * G:h1 * G, q0:q1].float().mul(scaling).reshape(B, n, G * C, D)  # (B, n, G*C, D)
-            logits = scratch[: B * n * G * C * t_end].view(B, n, G * C, t_end)
-            torch.matmul(q, k_t[:, heads, :, :t_end], out=logits)
-            logits = logits.view(B, n, G, C, t_end)
-            if plain:
-                logits[..., d0:t_end].masked_fill_(future, float("-inf"))
-                probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # every row sees its own key
+    chunked = _Chunks(query, key, attention_mask, scaling, query_valid, chunk_size, statistics, value)
+    starts = list(range(0, Q, chunk_size))
+    workers = _cpu_workers(query, key, value, len(starts))
+    if workers == 1:
+        out, peak = chunked.run(starts)
+    else:
+        threads = torch.get_num_threads()
+        try:
+            parts = list(_worker_pool(workers).map(chunked.run_single_threaded, [starts[i::workers]
+                                                                                  for i in range(workers)]))
+        finally:
+            torch.set_num_threads(threads)  # the workers set the process-wide count to 1 while they ran
+        out = torch.stack([p[0] for p in parts]).sum(0)
+        peak = None if parts[0][1] is None else torch.stack([p[1] for p in parts]).amax(0)
+    found = {"sum": out, "max": peak, "lookback": chunked.lookback}
+    output = None if chunked.attended is None else chunked.attended.view(query.shape[:3] + (-1,))
+    return found, output
+
+
+# query-key pairs below which the CPU path stays on one thread (the workers' start-up would cost more than they save)
+THREADED_MIN_PAIRS = 1 << 20
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (process id, workers): a forked child makes its own
+
+
+def _cpu_workers(query, key, value, num_chunks: int) -> int:
+    """How many threads share a CPU pass's query chunks: torch's thread count where the pass is on the CPU, has at
+    least one chunk per thread and :data:`THREADED_MIN_PAIRS` query-key pairs, and needs no gradient; else 1.
+
+    Why threads of their own: torch's intra-op threads split each chunk's matmuls, softmax and reductions along
+    different axes, so each core reads probabilities the other wrote. On a 2-core KVM guest that traffic made the
+    pass swing between 1.3x and 2x sdpa's time from one second to the next; single-threaded workers on whole chunks
+    keep each chunk in one core's caches and stay near the faster figure (docs/performance.md, "How the CPU path
+    runs"). Only under OpenMP, the backend of the PyTorch wheels, where each thread keeps its own thread count."""
+    threads = torch.get_num_threads()
+    if query.device.type != "cpu" or threads < 2 or num_chunks < threads or not _openmp():
+        return 1
+    if query.shape[2] * key.shape[2] < THREADED_MIN_PAIRS:
+        return 1
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value)):
+        return 1
+    return threads
+
+
+@functools.cache
+def _openmp() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+def _worker_pool(workers: int) -> ThreadPoolExecutor:
+    key = (os.getpid(), workers)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(workers, thread_name_prefix="proxykv-statistics")
+    return _POOLS[key]
+
+
+class _Chunks:
+    """One chunked pass over a layer's queries: what every chunk reads, and the per-query results the chunks write
+    to disjoint slices of (``attended``, ``lookback``). :meth:`run` returns the per-key sums and maxima of the chunks
+    it is given."""
+
+    def __init__(self, query, key, attention_mask, scaling, query_valid, chunk_size, statistics, value):
+        B, H, Q, D = query.shape
+        _, H_kv, T, _ = key.shape
+        self.query, self.attention_mask, self.scaling, self.query_valid = query, attention_mask, scaling, query_valid
+        self.chunk_size, self.statistics, self.G = chunk_size, statistics, H // H_kv
+        self.k_t = key.float().transpose(-1, -2)  # (B, H_kv, D, T)
+        self.v = None if value is None else value.float()
+        self.lookback = query.new_zeros(B, H_kv, self.G, T, dtype=torch.float32) if "lookback" in statistics else None
+        self.first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) \
+            if self.lookback is not None else None
+        self.first_rows = None if self.first is None else self.first.expand(B).tolist()  # once, not per chunk
+        self.attended = None if value is None else torch.empty(B, H_kv, self.G, Q, value.shape[-1], dtype=query.dtype,
+                                                               device=query.device)
+        self.causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
+        self.plain = attention_mask is None and T >= Q  # causal, no padding: each chunk's diagonal block is masked
+        self.per_pass = _kv_heads_per_pass(query.device, H_kv)
+
+    def run_single_threaded(self, starts: list[int]):
+        torch.set_num_threads(1)  # this worker's own thread count (and, for a while, the process's: see the caller)
+        return self.run(starts)
+
+    def run(self, starts: list[int]):
+        """``(sum, max or None)``, each `(B, H_kv, G, T)`, over the chunks that begin at ``starts``."""
+        query, statistics, G = self.query, self.statistics, self.G
+        B, H, Q, D = query.shape
+        H_kv, T = self.k_t.shape[1], self.k_t.shape[-1]
+        out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
+        peak = torch.zeros_like(out) if "max" in statistics else None
+        size = min(self.chunk_size, Q)
+        # one buffer for every chunk's logits, softmaxed in place: no fresh chunk-sized allocation (and page faults)
+        # per chunk, and no second chunk-sized tensor for the probabilities
+        scratch = torch.empty(B * self.per_pass * G * size * T, dtype=torch.float32, device=query.device)
+        for q0 in starts:
+            q1 = min(q0 + self.chunk_size, Q)
+            t_end = min(T, q1 + T - Q) if self.causal else T
+            d0 = q0 + T - Q  # key position of the chunk's first query
+            C = q1 - q0
+            if self.plain:  # what each chunk hides: the future inside its diagonal block, or the mask's own bias
+                future = torch.ones(C, C, dtype=torch.bool, device=query.device).triu_(1)  # (C, C)
             else:
-                logits.add_(bias)  # broadcast over (n, G)
-                probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).nan_to_num_(0.0)  # masked rows: 0
-            if v is not None:
-                rows = torch.matmul(probs.view(B, n, G * C, t_end), v[:, heads, :t_end])  # (B, n, G*C, Dv)
-                attended[:, heads, :, q0:q1] = rows.view(B, n, G, C, -1)
-            if query_valid is not None:
-                probs.mul_(query_valid[:, None, None, q0:q1, None].to(probs.dtype))
-            if lookback is not None:
-                lookback[:, heads, :, d0:d0 + C] = _chunk_lookback(probs, first, first_rows, d0)
-            out[:, heads, :, :t_end] += probs.sum(dim=3)
-            if peak is not None:
-                if T >= Q:  # the query's own key is on the diagonal of the block at d0
-                    probs[..., d0:d0 + C].diagonal(dim1=-2, dim2=-1).zero_()
+                bias = _chunk_bias(self.attention_mask, q0, q1, Q, T, query.device, t_end)[:, :, None]
+            for h0 in range(0, H_kv, self.per_pass):
+                h1 = min(h0 + self.per_pass, H_kv)
+                heads, n = slice(h0, h1), h1 - h0
+                q = query[:, h0 * G:h1 * G, q0:q1].float().mul(self.scaling).reshape(B, n, G * C, D)
+                logits = scratch[: B * n * G * C * t_end].view(B, n, G * C, t_end)
+                torch.matmul(q, self.k_t[:, heads, :, :t_end], out=logits)
+                logits = logits.view(B, n, G, C, t_end)
+                if self.plain:
+                    logits[..., d0:t_end].masked_fill_(future, float("-inf"))
+                    probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # every row sees its own key
                 else:
-                    own = torch.arange(t_end, device=query.device)[None, :] == (
-                        torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
-                    probs.masked_fill_(own, 0.0)
-                window = peak[:, heads, :, :t_end]
-                torch.maximum(window, probs.amax(dim=3), out=window)
-    output = None if attended is None else attended.view(B, H, Q, -1)
-    return {"sum": out, "max": peak, "lookback": lookback}, output
+                    logits.add_(bias)  # broadcast over (n, G)
+                    probs = torch.ops.aten._softmax.out(logits, -1, False, out=logits).nan_to_num_(0.0)  # masked: 0
+                if self.v is not None:
+                    rows = torch.matmul(probs.view(B, n, G * C, t_end), self.v[:, heads, :t_end])  # (B, n, G*C, Dv)
+                    self.attended[:, heads, :, q0:q1] = rows.view(B, n, G, C, -1)
+                if self.query_valid is not None:
+                    probs.mul_(self.query_valid[:, None, None, q0:q1, None].to(probs.dtype))
+                if self.lookback is not None:
+                    self.lookback[:, heads, :, d0:d0 + C] = _chunk_lookback(probs, self.first, self.first_rows, d0)
+                out[:, heads, :, :t_end] += probs.sum(dim=3)
+                if peak is not None:
+                    if T >= Q:  # the query's own key is on the diagonal of the block at d0
+                        probs[..., d0:d0 + C].diagonal(dim1=-2, dim2=-1).zero_()
+                    else:
+                        own = torch.arange(t_end, device=query.device)[None, :] == (
+                            torch.arange(q0, q1, device=query.device) + (T - Q))[:, None]  # (C, t_end)
+                        probs.masked_fill_(own, 0.0)
+                    window = peak[:, heads, :, :t_end]
+                    torch.maximum(window, probs.amax(dim=3), out=window)
+        return out, peak
 
 
 def _kv_heads_per_pass(device: torch.device, num_kv_heads: int) -> int:

@@ -1,5 +1,7 @@
 """The chunked attention-sum equals an explicit softmax."""
 
+import threading
+
 import pytest
 import torch
 
@@ -407,3 +409,69 @@ def test_flash_statistics_and_their_check(monkeypatch, caplog, fault):
         with pytest.raises(ValueError, match="triton backend needs"):
             scoring.causal_attention_with_statistics(q, k, v, 0.4, backend="triton", fused=fused)
         assert calls == [1]  # not tried again with this FusedStatistics
+
+
+@pytest.fixture
+def two_torch_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch, two_torch_threads, masked):
+    """On a CPU with two torch threads the query chunks go to two single-threaded workers, each with its own sums
+    and maxima: the same statistics and output as one thread over every chunk (up to float rounding), under a
+    padding mask and with padded queries too; torch's thread count is 2 again afterwards."""
+    from proxykv_hf import scoring
+
+    torch.manual_seed(5)
+    B, H, H_kv, T, D = 2, 6, 3, 23, 8
+    query, key, value = torch.randn(B, H, T, D) * 2, torch.randn(B, H_kv, T, D) * 2, torch.randn(B, H_kv, T, D)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :5] = False
+    mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & valid[:, None, None, :]
+    stats = ("sum", "max", "lookback")
+    workers = []  # (thread, chunk starts) of each worker's call
+    real = scoring._Chunks.run_single_threaded
+
+    def spy(self, starts):
+        workers.append((threading.get_ident(), tuple(starts)))
+        return real(self, starts)
+
+    monkeypatch.setattr(scoring._Chunks, "run_single_threaded", spy)
+
+    def run(min_pairs):
+        monkeypatch.setattr(scoring, "THREADED_MIN_PAIRS", min_pairs)
+        if masked:
+            found, _ = scoring._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
+            return [found[s] for s in stats]
+        out, got = scoring.causal_attention_with_statistics(query, key, value, 0.3, query_valid=valid, chunk_size=4,
+                                                            statistics=stats, backend="torch")
+        return [out, got]
+
+    one = run(10**9)
+    assert workers == []
+    split = run(0)
+    assert sorted(starts for _, starts in workers) == [(0, 8, 16), (4, 12, 20)]  # chunks of 4 queries, interleaved
+    assert threading.get_ident() not in {thread for thread, _ in workers}
+    assert torch.get_num_threads() == 2
+    for a, b in zip(one, split):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_pass_stays_on_one_thread_where_threads_do_not_pay(two_torch_threads):
+    from proxykv_hf.scoring import THREADED_MIN_PAIRS, _cpu_workers
+
+    big = torch.zeros(1, 1, 2048, 8)
+    assert THREADED_MIN_PAIRS <= 2048 * 2048
+    assert _cpu_workers(big, big, big, num_chunks=16) == 2
+    assert _cpu_workers(big[:, :, :64], big[:, :, :64], big[:, :, :64], num_chunks=16) == 1  # too little work
+    assert _cpu_workers(big, big, big, num_chunks=1) == 1  # one chunk: nothing to split
+    grad = big.clone().requires_grad_()
+    assert _cpu_workers(grad, big, big, num_chunks=16) == 1  # autograd stays on the caller's thread
+    with torch.no_grad():
+        assert _cpu_workers(grad, big, big, num_chunks=16) == 2
+    torch.set_num_threads(1)
+    assert _cpu_workers(big, big, big, num_chunks=16) == 1
