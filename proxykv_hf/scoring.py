@@ -13,12 +13,12 @@ copying from its earlier occurrence and scores high; a token with nothing to loo
 scores low. KVzip keeps exactly such tokens, and the sum and max rank them last when the text around them repeats.
 
 The PyTorch path below is the reference; its memory is ``O(B * H * chunk * T)``, on a CPU ``O(B * H / H_kv * chunk *
-T)`` per worker thread (one KV head's query heads at a time, the chunks split between single-threaded workers). On a GPU, the causal unmasked case (an unpadded prompt) takes the
-fused Triton kernels of :mod:`proxykv_hf.kernels`, which never write the probabilities to memory. The statistics
-of a layer's own unpadded prefill can also come with that attention's output
-(:func:`causal_attention_with_statistics`): on a CPU from the same softmax, so the attention runs once, not once in
-sdpa and again here; on a GPU from flash attention, whose row log-sum-exp spares the fused kernels their first
-pass.
+T)`` per thread (one KV head's query heads at a time, the chunks split between single-threaded workers). On a GPU,
+the causal unmasked case (an unpadded prompt) takes the fused Triton kernels of :mod:`proxykv_hf.kernels`, which
+never write the probabilities to memory. The statistics of a layer's own unpadded prefill can also come with that
+attention's output (:func:`causal_attention_with_statistics`): on a CPU from the same softmax, so the attention runs
+once, not once in sdpa and again here; on a GPU from flash attention, whose row log-sum-exp spares the fused kernels
+their first pass.
 """
 
 from __future__ import annotations

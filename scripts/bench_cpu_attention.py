@@ -57,8 +57,8 @@ def _with(chunk_size: int, per_pass: int | None = None, split: bool = True):
         if not split:
             scoring.THREADED_MIN_PAIRS = float("inf")
         try:
-            return scoring.causal_attention_with_statistics(q, k, v, chunk_size=chunk_size, statistics=scoring.STATISTICS,
-                                                            backend="torch")
+            return scoring.causal_attention_with_statistics(q, k, v, chunk_size=chunk_size,
+                                                            statistics=scoring.STATISTICS, backend="torch")
         finally:
             scoring._kv_heads_per_pass, scoring.THREADED_MIN_PAIRS = default_pass, default_pairs
 
