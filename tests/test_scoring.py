@@ -223,18 +223,25 @@ def test_attention_with_statistics_equals_attention_then_statistics(chunk, Q, st
         torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-6)
 
 
+def padded_prefill(seed: int, T: int):
+    """Random prefill inputs of 2 rows (6 query heads, 3 KV heads, head dim 8), the second left-padded by 5 tokens:
+    ``(query, key, value, valid (B, T), causal padding mask (B, 1, T, T))``."""
+    torch.manual_seed(seed)
+    B, H, H_kv, D = 2, 6, 3, 8
+    query, key, value = torch.randn(B, H, T, D) * 2, torch.randn(B, H_kv, T, D) * 2, torch.randn(B, H_kv, T, D)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :5] = False
+    mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & valid[:, None, None, :]
+    return query, key, value, valid, mask
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_kv_heads_per_pass_do_not_change_the_result(monkeypatch, masked):
     """The PyTorch path computes one KV head's queries at a time on a CPU and all KV heads at once elsewhere: both
     give the same statistics and output, under a padding mask too."""
     from proxykv_hf import scoring
 
-    torch.manual_seed(4)
-    B, H, H_kv, T, D = 2, 6, 3, 21, 8
-    query, key, value = torch.randn(B, H, T, D) * 2, torch.randn(B, H_kv, T, D) * 2, torch.randn(B, H_kv, T, D)
-    valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, :5] = False
-    mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & valid[:, None, None, :]
+    query, key, value, valid, mask = padded_prefill(seed=4, T=21)
     stats = ("sum", "max", "lookback")
 
     def run(per_pass):
@@ -246,8 +253,8 @@ def test_kv_heads_per_pass_do_not_change_the_result(monkeypatch, masked):
                                                             backend="torch")
         return [out, got]
 
-    assert scoring._kv_heads_per_pass(torch.device("cpu"), H_kv) == 1
-    one, two, every = run(1), run(2), run(H_kv)
+    assert scoring._kv_heads_per_pass(torch.device("cpu"), key.shape[1]) == 1
+    one, two, every = run(1), run(2), run(key.shape[1])
     for a, b, c in zip(one, two, every):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
@@ -426,12 +433,7 @@ def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch
     padding mask and with padded queries too; torch's thread count is 2 again afterwards."""
     from proxykv_hf import scoring
 
-    torch.manual_seed(5)
-    B, H, H_kv, T, D = 2, 6, 3, 23, 8
-    query, key, value = torch.randn(B, H, T, D) * 2, torch.randn(B, H_kv, T, D) * 2, torch.randn(B, H_kv, T, D)
-    valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, :5] = False
-    mask = (torch.arange(T)[None, :] <= torch.arange(T)[:, None])[None, None] & valid[:, None, None, :]
+    query, key, value, valid, mask = padded_prefill(seed=5, T=23)
     stats = ("sum", "max", "lookback")
     workers = []  # (thread, chunk starts) of each worker's call
     real = scoring._Chunks.run_single_threaded
