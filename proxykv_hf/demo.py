@@ -56,13 +56,15 @@ def run_demo(ns) -> int:
         methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
         if len(methods) < len(ns.methods):
             print("no mapper checkpoint found: skipping proxykv (pass --mapper)")
+        scorers = {method: build_method(method, model, options) for method in methods}
+
+        def fresh_cache(scorer) -> ProxyKVCache:
+            return ProxyKVCache(None, 1.0) if scorer is None else ProxyKVCache(scorer.fresh(), ns.keep_ratio)
+
         for method in tqdm(methods, desc="warm-up", unit="method"):
-            scorer = build_method(method, model, options)
-            compress_context(model, ProxyKVCache(scorer, 1.0 if scorer is None else ns.keep_ratio),
-                             ctx[:, :WARMUP_TOKENS])
+            compress_context(model, fresh_cache(scorers[method]), ctx[:, :WARMUP_TOKENS])
         for method in tqdm(methods, desc="methods", unit="method"):
-            scorer = build_method(method, model, options)
-            cache = ProxyKVCache(scorer, 1.0 if scorer is None else ns.keep_ratio)
+            cache = fresh_cache(scorers[method])
             t0 = time.perf_counter()
             compress_context(model, cache, ctx)
             t_compress = time.perf_counter() - t0
