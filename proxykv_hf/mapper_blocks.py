@@ -105,7 +105,7 @@ class TimeEncoder(nn.Module):
             w = torch.ones_like(z[..., :1]) if valid is None else valid[..., None].to(z.dtype)  # (B, W, 1)
             return z + (z * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
         if valid is None:
-            positions = torch.arange(z.shape[1], device=z.device).expand(z.shape[0], -1)  # (B, W)
+            positions = torch.arange(z.shape[1], device=z.device)[None]  # (1, W): the same for every window
             pad = None
         else:
             positions = (valid.long().cumsum(1) - 1).clamp_min(0)  # (B, W)

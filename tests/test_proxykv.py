@@ -13,6 +13,7 @@ from proxykv_hf import ProxyKVCache, ProxyKVPipeline, SnapKVScorer
 from proxykv_hf.eval.prompts import encode_chat_prompt
 from proxykv_hf.hub import Checkpoint, TargetSpec, load_checkpoint, save_checkpoint
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper_blocks import TimeEncoder
 from proxykv_hf.proxy import ProxySpec, every_kth_layer, proxy_features
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
@@ -433,7 +434,8 @@ def test_side_work_runs_on_one_thread_for_the_process():
 @pytest.mark.parametrize("lengths", [[40, 40], [40, 31]])
 def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target, monkeypatch, lengths):
     """A self proxy whose mapper reads layers 0 and 2 of the four (ProxySpec.layers): the statistics are computed on
-    those two layers only (fused with their attention on an unpadded batch), layers 1 and 3 take their paired
+    those two layers only (fused with their attention, and the mapper run without a mask, on an unpadded batch),
+    layers 1 and 3 take their paired
     layer's features, and every layer keeps the Top-K of the scores the mapper's all-layer forward gives on those
     two layers' features (the direct path reading one layer back)."""
     from proxykv_hf import schedule as schedule_module
@@ -455,10 +457,14 @@ def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target,
                         lambda *a, **k: fused.append(1) or real_fused(*a, **k))
     real_sums = scorers.proxy.attention_sums
     monkeypatch.setattr(scorers.proxy, "attention_sums", lambda *a, **k: summed.append(1) or real_sums(*a, **k))
+    masked, real_encode = [], TimeEncoder.encode_sdpa
+    monkeypatch.setattr(TimeEncoder, "encode_sdpa", lambda self, z, pad=None: masked.append(pad is not None) or
+                        real_encode(self, z, pad))
     inputs = random_prompt(2, 40, lengths=lengths, seed=5)
     cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, **FLOAT32)
     target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert (len(fused), len(summed)) == ((2, 0) if lengths[0] == lengths[1] else (0, 2))
+    assert masked == [lengths[0] != lengths[1]] * 2  # the encoder's attention takes a mask only where there is padding
     x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], statistics_layers=[0, 2])
     assert x.shape[1] == 2
     scores = mapper(x, attention_mask=inputs["attention_mask"])

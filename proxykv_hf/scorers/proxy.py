@@ -127,6 +127,7 @@ class ProxyScorer(BackgroundScorer):
         self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read
         self._encoded: tuple[int, torch.Tensor] | None = None  # (proxy layer, its encoding), shared by its targets
         self._same_device = True
+        self._padded = True  # a self proxy's prompt has padding, so its mapper reads a mask (prepare() checks)
         self._scores: torch.Tensor | None = None
         self._event = None
         self._future: Future | None = None  # the side work's launches (CUDA)
@@ -194,6 +195,8 @@ class ProxyScorer(BackgroundScorer):
         self._mixer.reset()
         self._features, self._encoded = {}, None
         if self.spec.kind == "self":
+            # an unpadded prompt's mapper runs without a mask (the encoder's attention then takes no mask either)
+            self._padded = not bool(prompt.valid.all())
             return
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
         device = self.proxy_device or prompt.input_ids.device
@@ -305,7 +308,8 @@ class ProxyScorer(BackgroundScorer):
                                        chunk_size=self.chunk_size, statistics=self.spec.statistics)
                 self._features[self._proxy_of[layer]] = x
             self.mapper.to(device)
-            return self._map(lambda: self._self_scores(layer, inputs.valid.to(device).long()), device)
+            mask = inputs.valid.to(device).long() if self._padded else None
+            return self._map(lambda: self._self_scores(layer, mask), device)
         self._wait(device)
         scores = self._scores[:, inputs.compact_index].to(device, non_blocking=True)
         if inputs.compact_index == self.checkpoint.target.num_layers - 1:
