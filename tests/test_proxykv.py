@@ -435,9 +435,8 @@ def test_side_work_runs_on_one_thread_for_the_process():
 def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target, monkeypatch, lengths):
     """A self proxy whose mapper reads layers 0 and 2 of the four (ProxySpec.layers): the statistics are computed on
     those two layers only (fused with their attention, and the mapper run without a mask, on an unpadded batch),
-    layers 1 and 3 take their paired
-    layer's features, and every layer keeps the Top-K of the scores the mapper's all-layer forward gives on those
-    two layers' features (the direct path reading one layer back)."""
+    layers 1 and 3 take their paired layer's features, and every layer keeps the Top-K of the scores the mapper's
+    all-layer forward gives on those two layers' features (the direct path reading one layer back)."""
     from proxykv_hf import schedule as schedule_module
     from proxykv_hf import scorers
     from proxykv_hf.selection import select_topk
