@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -290,8 +292,12 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     """The chunked PyTorch path: ``({statistic: (B, H_kv, G, T)}, attention output (B, H, Q, D) or None)``.
 
     With ``value`` the attention output is computed from the same probabilities, before any query weighting. On a
-    CPU with more than one torch thread and enough work, the query chunks are split between single-threaded workers
-    (:func:`_cpu_workers`), each with its own buffer and sums: no chunk's probabilities pass from one core to another.
+    CPU with more than one torch thread and enough work, the query chunks are shared out between single-threaded
+    workers (:func:`_cpu_workers`), each with its own buffer and sums: no chunk's probabilities pass from one core to
+    another. Each worker takes the next chunk as it finishes one, longest chunks first, so a core that is slowed
+    (another process, the host of a virtual machine) takes fewer; which worker sums which chunk then changes from
+    one call to the next, so the workers sum in float64, and the sums they return, added up and rounded to float32,
+    come out the same in any split (up to float64 rounding, far below float32's).
     """
     Q = query.shape[2]
     if query_valid is not None and query.device.type == "cpu" and bool(query_valid.all()):
@@ -303,16 +309,33 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
         out, peak = chunked.run(starts)
     else:
         threads = torch.get_num_threads()
+        queue = _ChunkQueue(starts[::-1])  # causal: the last chunks read the most keys
         try:
-            parts = list(_worker_pool(workers).map(chunked.run_single_threaded, [starts[i::workers]
-                                                                                  for i in range(workers)]))
+            parts = list(_worker_pool(workers).map(chunked.run_single_threaded, [queue] * workers))
         finally:
             torch.set_num_threads(threads)  # the workers set the process-wide count to 1 while they ran
-        out = torch.stack([p[0] for p in parts]).sum(0)
+        out = torch.stack([p[0] for p in parts]).sum(0).float()
         peak = None if parts[0][1] is None else torch.stack([p[1] for p in parts]).amax(0)
     found = {"sum": out, "max": peak, "lookback": chunked.lookback}
     output = None if chunked.attended is None else chunked.attended.view(query.shape[:3] + (-1,))
     return found, output
+
+
+class _ChunkQueue:
+    """The chunk starts of one pass, shared by its workers: each iterator over it yields the next start no worker
+    has taken."""
+
+    def __init__(self, starts: list[int]):
+        self.starts, self.taken, self.lock = starts, 0, threading.Lock()
+
+    def __iter__(self):
+        while True:
+            with self.lock:
+                if self.taken == len(self.starts):
+                    return
+                start = self.starts[self.taken]
+                self.taken += 1
+            yield start
 
 
 # query-key pairs below which the CPU path stays on one thread (the workers' start-up would cost more than they save)
@@ -373,17 +396,18 @@ class _Chunks:
         self.plain = attention_mask is None and T >= Q  # causal, no padding: each chunk's diagonal block is masked
         self.per_pass = _kv_heads_per_pass(query.device, H_kv)
 
-    def run_single_threaded(self, starts: list[int]):
+    def run_single_threaded(self, starts: Iterable[int]):
         torch.set_num_threads(1)  # this worker's own thread count (and, for a while, the process's: see the caller)
-        return self.run(starts)
+        return self.run(starts, torch.float64)
 
-    def run(self, starts: list[int]):
-        """``(sum, max or None)``, each `(B, H_kv, G, T)`, over the chunks that begin at ``starts``."""
+    def run(self, starts: Iterable[int], sum_dtype: torch.dtype = torch.float32):
+        """``(sum, max or None)``, each `(B, H_kv, G, T)`, over the chunks that begin at ``starts``; the sums
+        accumulated in ``sum_dtype``."""
         query, statistics, G = self.query, self.statistics, self.G
         B, H, Q, D = query.shape
         H_kv, T = self.k_t.shape[1], self.k_t.shape[-1]
-        out = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device)
-        peak = torch.zeros_like(out) if "max" in statistics else None
+        out = torch.zeros(B, H_kv, G, T, dtype=sum_dtype, device=query.device)
+        peak = torch.zeros(B, H_kv, G, T, dtype=torch.float32, device=query.device) if "max" in statistics else None
         size = min(self.chunk_size, Q)
         # one buffer for every chunk's logits, softmaxed in place: no fresh chunk-sized allocation (and page faults)
         # per chunk, and no second chunk-sized tensor for the probabilities

@@ -428,23 +428,24 @@ def two_torch_threads():
 
 @pytest.mark.parametrize("masked", [True, False])
 def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch, two_torch_threads, masked):
-    """On a CPU with two torch threads the query chunks go to two single-threaded workers, each with its own sums
-    and maxima: the same statistics and output as one thread over every chunk (up to float rounding), under a
-    padding mask and with padded queries too; torch's thread count is 2 again afterwards."""
+    """On a CPU with two torch threads the query chunks are shared out between two single-threaded workers, each
+    taking the next chunk as it is free (the longest first), with its own sums and maxima: every chunk is computed
+    once, off the caller's thread, and the statistics and output are those of one thread over every chunk (up to
+    float rounding), under a padding mask and with padded queries too; torch's thread count is 2 again afterwards."""
     from proxykv_hf import scoring
 
     query, key, value, valid, mask = padded_prefill(seed=5, T=23)
     stats = ("sum", "max", "lookback")
-    workers = []  # (thread, chunk starts) of each worker's call
-    real = scoring._Chunks.run_single_threaded
+    taken = []  # (thread, chunk start) of each chunk computed
+    real = scoring._Chunks.run
 
-    def spy(self, starts):
-        workers.append((threading.get_ident(), tuple(starts)))
-        return real(self, starts)
+    def spy(self, starts, sum_dtype=torch.float32):
+        return real(self, (taken.append((threading.get_ident(), q0)) or q0 for q0 in starts), sum_dtype)
 
-    monkeypatch.setattr(scoring._Chunks, "run_single_threaded", spy)
+    monkeypatch.setattr(scoring._Chunks, "run", spy)
 
     def run(min_pairs):
+        taken.clear()
         monkeypatch.setattr(scoring, "THREADED_MIN_PAIRS", min_pairs)
         if masked:
             found, _ = scoring._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
@@ -454,13 +455,33 @@ def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch
         return [out, got]
 
     one = run(10**9)
-    assert workers == []
+    assert taken == [(threading.get_ident(), q0) for q0 in (0, 4, 8, 12, 16, 20)]
     split = run(0)
-    assert sorted(starts for _, starts in workers) == [(0, 8, 16), (4, 12, 20)]  # chunks of 4 queries, interleaved
-    assert threading.get_ident() not in {thread for thread, _ in workers}
+    assert sorted(q0 for _, q0 in taken) == [0, 4, 8, 12, 16, 20]  # chunks of 4 queries, each computed once
+    assert taken[0][1] == 20  # the longest first
+    assert threading.get_ident() not in {thread for thread, _ in taken}
     assert torch.get_num_threads() == 2
     for a, b in zip(one, split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_worker_sums_do_not_depend_on_which_worker_took_which_chunk():
+    """The workers' float64 sums, added up and rounded to float32, are the same bits for any split of the chunks
+    between them (which chunk a worker takes changes from one call to the next)."""
+    from proxykv_hf import scoring
+
+    query, key, _, valid, mask = padded_prefill(seed=6, T=40)
+    chunked = scoring._Chunks(query, key, mask, 0.3, valid, 4, ("sum",), None)
+    starts = list(range(0, 40, 4))
+
+    def total(split):
+        return torch.stack([chunked.run(part, torch.float64)[0] for part in split]).sum(0).float()
+
+    want = total([starts[0::2], starts[1::2]])
+    for split in ([starts[:3], starts[3:]], [starts[::-1][:7], starts[::-1][7:]], [starts[5:], starts[:5]]):
+        assert torch.equal(total(split), want)
+    one_thread = chunked.run(starts)[0]  # float32 sums, in chunk order
+    torch.testing.assert_close(one_thread, want, rtol=1e-6, atol=1e-7)
 
 
 def test_cpu_pass_stays_on_one_thread_where_threads_do_not_pay(two_torch_threads):
