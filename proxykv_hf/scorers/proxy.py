@@ -127,7 +127,7 @@ class ProxyScorer(BackgroundScorer):
         self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read
         self._encoded: tuple[int, torch.Tensor] | None = None  # (proxy layer, its encoding), shared by its targets
         self._same_device = True
-        self._padded = True  # a self proxy's prompt has padding, so its mapper reads a mask (prepare() checks)
+        self._padded = True  # the prompt has padding, so the mapper reads a mask (prepare() checks)
         self._scores: torch.Tensor | None = None
         self._event = None
         self._future: Future | None = None  # the side work's launches (CUDA)
@@ -194,17 +194,16 @@ class ProxyScorer(BackgroundScorer):
         self._scores, self._event, self._future, self._error = None, None, None, None
         self._mixer.reset()
         self._features, self._encoded = {}, None
+        # no mask for an unpadded prompt: the proxy's attention stays causal-only (fused attention sums) and the
+        # mapper's encoder runs without a padding mask (flash attention); a self proxy's mapper reads this per layer
+        self._padded = not bool(prompt.valid.all())
         if self.spec.kind == "self":
-            # an unpadded prompt's mapper runs without a mask (the encoder's attention then takes no mask either)
-            self._padded = not bool(prompt.valid.all())
             return
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
         device = self.proxy_device or prompt.input_ids.device
         self._same_device = _same_device(device, prompt.input_ids.device)
         ids = prompt.input_ids.to(device, non_blocking=True)
-        # no mask for an unpadded prompt: the proxy's attention stays causal-only (fused attention sums) and the
-        # mapper's encoder runs without a padding mask (flash attention)
-        mask = None if bool(prompt.valid.all()) else prompt.valid.to(device, non_blocking=True).long()
+        mask = prompt.valid.to(device, non_blocking=True).long() if self._padded else None
         self.mapper.to(device)
         if device.type != "cuda":
             self._scores = self._run(runner, ids, mask)
