@@ -105,3 +105,36 @@ def test_needle_heads_counts_the_heads_that_keep_the_value(tmp_path):
     done = run("needle_heads.py", "--tiny", "--task", "needle:filler-dev", "--n-samples", "2", "--samples", "5",
                "--context-length", "300", "--out", str(out))
     assert done.returncode != 0 and "outside the 2 samples" in done.stderr
+
+
+def run_build(out, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHON=sys.executable)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "build_train_data.sh"), str(out), *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def test_build_train_data_runs_one_job_per_task_at_its_seed_and_merges(tmp_path):
+    from proxykv_hf.testing import tiny_tokenizer
+    from proxykv_hf.train.features import text_key
+    from proxykv_hf.train.sources import texts_from_tasks
+
+    tasks = ["needle:filler-train", "multikey:pycode"]
+    done = run_build(tmp_path, "--workers", "2", "--tokens", "600", "--n-per-task", "1", "--tasks", " ".join(tasks),
+                     "--", "--tiny", "--device", "cpu")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["multikey_pycode-0", "needle_filler-train-0"]
+    merged = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert merged["sources"] == {t: 1 for t in tasks}
+    tok = tiny_tokenizer()
+    expected = {text_key(item["text"])  # task i's texts come from seed 800000 + 100 i
+                for i, task in enumerate(tasks) for item in texts_from_tasks([task], 1, [600], tok, seed=800000 + 100 * i)}
+    assert set(merged["done"]) == expected
+
+
+def test_build_train_data_stops_jobs_at_the_deadline(tmp_path):
+    done = run_build(tmp_path, "--workers", "1", "--stop-after", "1", "--tokens", "600", "--n-per-task", "1",
+                     "--tasks", "needle:filler-train multikey:pycode", "--", "--tiny", "--device", "cpu")
+    # the first job is interrupted while it starts, the second never starts: nothing to merge
+    assert done.returncode == 1 and "stopped needle_filler-train-0" in done.stdout
+    assert "skipped multikey_pycode-0" in done.stdout and "no job finished a shard" in done.stderr
+    assert not (tmp_path / "data").exists()
