@@ -66,9 +66,10 @@ job() {  # TASK SEED ROUND
 }
 export -f job
 export OUT T0 STOP_AFTER TOKENS NPT PY
-export EXTRA_ARGS="${EXTRA[*]:-}"
-# bash cannot export arrays: rebuild EXTRA inside each job from its space-joined form
-xargs -P "$WORKERS" -L 1 bash -c 'read -ra EXTRA <<< "$EXTRA_ARGS"; job "$0" "$1" "$2"' < "$jobs_file"
+# bash cannot export arrays: each job rebuilds EXTRA from its declaration (arguments with spaces stay whole)
+EXTRA_DECL=$(declare -p EXTRA)
+export EXTRA_DECL
+xargs -P "$WORKERS" -L 1 bash -c 'eval "$EXTRA_DECL"; job "$0" "$1" "$2"' < "$jobs_file"
 
 built=()
 for d in "$OUT"/jobs/*; do
@@ -77,4 +78,8 @@ for d in "$OUT"/jobs/*; do
 done
 [ ${#built[@]} -gt 0 ] || { echo "no job finished a shard" >&2; exit 1; }
 rm -rf "$OUT/data"
-$PY -m proxykv_hf.cli merge-data "${built[@]}" --out "$OUT/data"
+if [ ${#built[@]} -eq 1 ]; then  # merge-data joins two or more
+  cp -r "${built[0]}" "$OUT/data"
+else
+  $PY -m proxykv_hf.cli merge-data "${built[@]}" --out "$OUT/data"
+fi

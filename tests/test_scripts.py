@@ -17,9 +17,12 @@ pytestmark = pytest.mark.slow  # each run starts a Python process with torch and
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
+    """``scripts/script`` run with ``args``: Python scripts by this interpreter, shell scripts by bash (their
+    Python calls use this interpreter too, through ``$PYTHON``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg", PYTHON=sys.executable)
+    runner = "bash" if script.endswith(".sh") else sys.executable
+    return subprocess.run([runner, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
 
 
 def test_bench_plots_merges_the_memory_run(tmp_path):
@@ -107,20 +110,14 @@ def test_needle_heads_counts_the_heads_that_keep_the_value(tmp_path):
     assert done.returncode != 0 and "outside the 2 samples" in done.stderr
 
 
-def run_build(out, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHON=sys.executable)
-    return subprocess.run(["bash", str(ROOT / "scripts" / "build_train_data.sh"), str(out), *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
-
-
 def test_build_train_data_runs_one_job_per_task_at_its_seed_and_merges(tmp_path):
     from proxykv_hf.testing import tiny_tokenizer
     from proxykv_hf.train.features import text_key
     from proxykv_hf.train.sources import texts_from_tasks
 
     tasks = ["needle:filler-train", "multikey:pycode"]
-    done = run_build(tmp_path, "--workers", "2", "--tokens", "600", "--n-per-task", "1", "--tasks", " ".join(tasks),
-                     "--", "--tiny", "--device", "cpu")
+    done = run("build_train_data.sh", str(tmp_path), "--workers", "2", "--tokens", "600", "--n-per-task", "1",
+               "--tasks", " ".join(tasks), "--", "--tiny", "--device", "cpu")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == ["multikey_pycode-0", "needle_filler-train-0"]
     merged = json.loads((tmp_path / "data" / "manifest.json").read_text())
@@ -132,9 +129,17 @@ def test_build_train_data_runs_one_job_per_task_at_its_seed_and_merges(tmp_path)
 
 
 def test_build_train_data_stops_jobs_at_the_deadline(tmp_path):
-    done = run_build(tmp_path, "--workers", "1", "--stop-after", "1", "--tokens", "600", "--n-per-task", "1",
-                     "--tasks", "needle:filler-train multikey:pycode", "--", "--tiny", "--device", "cpu")
+    done = run("build_train_data.sh", str(tmp_path), "--workers", "1", "--stop-after", "1", "--tokens", "600",
+               "--n-per-task", "1", "--tasks", "needle:filler-train multikey:pycode", "--", "--tiny", "--device", "cpu")
     # the first job is interrupted while it starts, the second never starts: nothing to merge
     assert done.returncode == 1 and "stopped needle_filler-train-0" in done.stdout
     assert "skipped multikey_pycode-0" in done.stdout and "no job finished a shard" in done.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_build_train_data_with_one_job_passes_its_arguments_whole(tmp_path):
+    done = run("build_train_data.sh", str(tmp_path), "--workers", "1", "--tokens", "600", "--n-per-task", "1",
+               "--tasks", "needle:filler-train", "--", "--tiny", "--device", "cpu", "--target-model-id", "tiny model")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    merged = json.loads((tmp_path / "data" / "manifest.json").read_text())  # one job: its dataset, copied
+    assert merged["target"]["model_id"] == "tiny model" and merged["sources"] == {"needle:filler-train": 1}
