@@ -118,11 +118,12 @@ class TimeEncoder(nn.Module):
 
     def encode_sdpa(self, z: Tensor, pad: Tensor | None = None) -> Tensor:
         """The encoder's eval-mode forward on its own weights, with attention through
-        ``F.scaled_dot_product_attention`` (pre-norm layers, GELU, no dropout).
+        ``F.scaled_dot_product_attention`` (pre-norm layers, GELU, no dropout); on a CPU under bfloat16 autocast, the
+        unpadded windows' attention through :func:`window_attention_bf16` instead.
 
         Equal to the module's own forward within float rounding, and faster in eval mode on the CPU (where
-        ``nn.TransformerEncoder``'s fused path computes attention as batched matmuls and a separate softmax) and on
-        a GPU (where its path under autocast launches more element-wise kernels; docs/performance.md).
+        ``nn.TransformerEncoder``'s fused path computes float32 attention as batched matmuls and a separate softmax)
+        and on a GPU (where its path under autocast launches more element-wise kernels; docs/performance.md).
 
         Args:
             z: ``(B, W, d_time)`` window inputs with positions added.
@@ -134,10 +135,38 @@ class TimeEncoder(nn.Module):
             attn = layer.self_attn
             qkv = nn.functional.linear(layer.norm1(z), attn.in_proj_weight, attn.in_proj_bias)
             q, k, v = qkv.view(b, w, 3, attn.num_heads, d // attn.num_heads).permute(2, 0, 3, 1, 4)
-            o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, W, d_head)
+            if mask is None and q.device.type == "cpu" and q.dtype == torch.bfloat16:
+                o = window_attention_bf16(q, k, v)
+            else:
+                o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, heads, W, d_head)
             z = z + attn.out_proj(o.transpose(1, 2).reshape(b, w, d))
             z = z + layer.linear2(nn.functional.gelu(layer.linear1(layer.norm2(z))))
         return self.encoder.norm(z)
+
+
+# (window, head) pairs per batched matmul of window_attention_bf16: their logits (8 x 512 x 512 in bfloat16, 4 MiB)
+# stay in the L3 cache between the two matmuls and the softmax
+WINDOW_ATTENTION_ROWS = 8
+
+
+def window_attention_bf16(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Unmasked attention over the encoder's windows on a CPU, in bfloat16: ``(B, heads, W, d_head)`` each ->
+    ``(B, heads, W, d_head)``.
+
+    What ``F.scaled_dot_product_attention`` computes, as two batched matmuls and a softmax over a few (window, head)
+    pairs at a time. PyTorch's CPU flash kernel runs no faster in bfloat16 than in float32 at the mapper's head
+    width, while the batched matmuls take the CPU's bfloat16 dot products (AVX512-BF16, AMX): the mapper runs faster
+    (docs/performance.md, "How the CPU path runs"). The logits and probabilities are rounded to bfloat16, which
+    changes the kept tokens about as little as autocast's own rounding does.
+    """
+    b, h, w, d = q.shape
+    qf, kf, vf = (q * d**-0.5).flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)  # (B * heads, W, d_head)
+    out = torch.empty(b * h, w, v.shape[-1], dtype=v.dtype, device=v.device)
+    for i in range(0, b * h, WINDOW_ATTENTION_ROWS):
+        rows = slice(i, i + WINDOW_ATTENTION_ROWS)
+        probs = torch.bmm(qf[rows], kf[rows].transpose(1, 2)).softmax(-1)
+        torch.bmm(probs.to(vf.dtype), vf[rows], out=out[rows])
+    return out.view(b, h, w, -1)
 
 
 class HeadStage(nn.Module):

@@ -387,14 +387,25 @@ class _Chunks:
         self.k_t = key.float().transpose(-1, -2)  # (B, H_kv, D, T)
         self.v = None if value is None else value.float()
         self.lookback = query.new_zeros(B, H_kv, self.G, T, dtype=torch.float32) if "lookback" in statistics else None
-        self.first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) \
-            if self.lookback is not None else None
-        self.first_rows = None if self.first is None else self.first.expand(B).tolist()  # once, not per chunk
+        first = _first_lookback_key(attention_mask, query_valid, Q, T, query.device) if self.lookback is not None \
+            else None
+        self.first_rows = None if first is None else first.expand(B).tolist()  # once, not per chunk
+        self.near_masks: dict[tuple[int, int, int], torch.Tensor] = {}
         self.attended = None if value is None else torch.empty(B, H_kv, self.G, Q, value.shape[-1], dtype=query.dtype,
                                                                device=query.device)
         self.causal = _hides_future(attention_mask, Q, T)  # then skip the keys after each chunk's last query
         self.plain = attention_mask is None and T >= Q  # causal, no padding: each chunk's diagonal block is masked
         self.per_pass = _kv_heads_per_pass(query.device, H_kv)
+
+    def _near(self, offset: int, C: int, width: int) -> torch.Tensor:
+        """`(C, width)` bool: True where key ``j`` of a band that begins ``offset`` positions before the chunk's first
+        query lies less than :data:`LOOKBACK_GAP` positions before query ``i`` (or after it). Made once per shape:
+        the full chunks of a causal pass share one."""
+        if (offset, C, width) not in self.near_masks:
+            keys = torch.arange(width, device=self.query.device) - offset
+            self.near_masks[offset, C, width] = keys[None, :] > torch.arange(C, device=self.query.device)[:, None] \
+                - LOOKBACK_GAP
+        return self.near_masks[offset, C, width]
 
     def run_single_threaded(self, starts: Iterable[int]):
         torch.set_num_threads(1)  # this worker's own thread count (and, for a while, the process's: see the caller)
@@ -439,8 +450,6 @@ class _Chunks:
                     self.attended[:, heads, :, q0:q1] = rows.view(B, n, G, C, -1)
                 if self.query_valid is not None:
                     probs.mul_(self.query_valid[:, None, None, q0:q1, None].to(probs.dtype))
-                if self.lookback is not None:
-                    self.lookback[:, heads, :, d0:d0 + C] = _chunk_lookback(probs, self.first, self.first_rows, d0)
                 out[:, heads, :, :t_end] += probs.sum(dim=3)
                 if peak is not None:
                     if T >= Q:  # the query's own key is on the diagonal of the block at d0
@@ -451,6 +460,8 @@ class _Chunks:
                         probs.masked_fill_(own, 0.0)
                     window = peak[:, heads, :, :t_end]
                     torch.maximum(window, probs.amax(dim=3), out=window)
+                if self.lookback is not None:  # last: it zeroes the probabilities of keys near each query
+                    self.lookback[:, heads, :, d0:d0 + C] = _chunk_lookback(probs, self.first_rows, d0, self._near)
         return out, peak
 
 
@@ -476,22 +487,20 @@ def _first_lookback_key(attention_mask, query_valid, Q: int, T: int, device) -> 
     return start.to(device=device, dtype=torch.long) + LOOKBACK_SINKS
 
 
-def _chunk_lookback(probs: torch.Tensor, first: torch.Tensor, first_rows: list[int], d0: int) -> torch.Tensor:
+def _chunk_lookback(probs: torch.Tensor, first_rows: list[int], d0: int, near) -> torch.Tensor:
     """Per query of a chunk, the largest probability on a key at least :data:`LOOKBACK_GAP` positions back and at or
-    after ``first`` (per row; ``first_rows`` the same on the host): ``probs`` `(B, H_kv, G, C, t)` with the chunk's
-    first query at key position ``d0`` -> `(B, H_kv, G, C)`."""
+    after its row's first lookback key (``first_rows``, on the host): ``probs`` `(B, H_kv, G, C, t)` with the chunk's
+    first query at key position ``d0`` -> `(B, H_kv, G, C)`. Overwrites with zeros the probabilities of the keys
+    closer than the gap (``near(offset, C, width)`` gives them for the band of keys from ``far`` on, as
+    :meth:`_Chunks._near`), so that one pass over each row finds the maximum: the chunk's last reader calls it."""
     C, t = probs.shape[3], probs.shape[4]
     far = min(max(d0 - LOOKBACK_GAP + 1, 0), t)  # keys before `far` are far enough back for every query of the chunk
+    if far < t:
+        probs[..., far:].masked_fill_(near(d0 - far, C, t - far), 0.0)
     found = probs.new_zeros(probs.shape[:4])
     for b, lo in enumerate(first_rows):
-        if lo < far:
-            found[b] = probs[b, ..., lo:far].amax(-1)
-    band = probs[..., far:]  # (B, H_kv, G, C, t - far): keys near the diagonal, far enough back for some queries
-    if band.shape[-1]:
-        kpos = torch.arange(far, t, device=probs.device)
-        qpos = torch.arange(d0, d0 + C, device=probs.device)
-        ok = (kpos[None, None, :] <= qpos[None, :, None] - LOOKBACK_GAP) & (kpos[None, None, :] >= first[:, None, None])
-        found = torch.maximum(found, band.masked_fill(~ok[:, None, None], 0.0).amax(-1))  # ok: (B|1, C, t - far)
+        if lo < t:
+            torch.amax(probs[b, ..., lo:], dim=-1, out=found[b])
     return found
 
 

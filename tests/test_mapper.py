@@ -200,6 +200,38 @@ def test_cpu_eval_encoder_path_equals_the_module(padded):
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("rows", [3, 8])
+def test_bfloat16_window_attention_equals_sdpa(monkeypatch, rows):
+    """On a CPU under bfloat16 autocast the unpadded windows' attention runs as batched matmuls a few (window, head)
+    pairs at a time (the pairs here not a multiple of the batch), and gives what float32 attention gives within
+    bfloat16 rounding; padded windows keep sdpa with its mask."""
+    from proxykv_hf import mapper_blocks
+
+    monkeypatch.setattr(mapper_blocks, "WINDOW_ATTENTION_ROWS", rows)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 37, 8) for _ in range(3))
+    got = mapper_blocks.window_attention_bf16(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert got.shape == (3, 4, 37, 8) and got.dtype == torch.bfloat16
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    assert (got.float() - want).abs().mean() < 5e-3
+
+    enc = TimeEncoder(MapperConfig.tiny(d_time=32, num_encoder_heads=4, num_encoder_layers=2)).eval()
+    z = torch.randn(3, 40, 32)
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[1, 25:] = False
+    calls = []
+    real = mapper_blocks.window_attention_bf16
+    monkeypatch.setattr(mapper_blocks, "window_attention_bf16", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        ref = enc(z)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast, padded = enc(z).float(), enc(z, valid).float()
+    assert len(calls) == 2  # once per encoder layer, for the unpadded call only
+    torch.testing.assert_close(fast, ref, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(padded[valid], enc(z, valid)[valid], atol=5e-2, rtol=5e-2)
+
+
 def test_ablation_switches():
     cfg = MapperConfig.tiny()
     h_s, h_l, d = cfg.num_proxy_heads, cfg.num_target_heads, cfg.d_time

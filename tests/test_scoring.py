@@ -99,7 +99,8 @@ def explicit_lookback(p, valid, Q, T):
 @pytest.mark.parametrize("masked", [True, False])
 def test_lookback_statistic_equals_explicit(chunk, Q, masked):
     """"lookback" is read on the query side: padding queries, positions before this call's queries, keys within
-    LOOKBACK_GAP of the query and each row's first real tokens (the sinks) never count."""
+    LOOKBACK_GAP of the query and each row's first real tokens (the sinks) never count. The sums and maxima of the
+    same pass are those of the probabilities before the lookback zeroes the keys near each query."""
     torch.manual_seed(5)
     B, H, H_kv, T, D = 2, 4, 2, 40, 8
     query, key = torch.randn(B, H, Q, D) * 2, torch.randn(B, H_kv, T, D) * 2
@@ -110,10 +111,11 @@ def test_lookback_statistic_equals_explicit(chunk, Q, masked):
     mask = (torch.arange(T)[None, :] <= qpos[:, None])[None, None] & valid[:, None, None, :] if masked else None
     p = explicit_probs(query, key, valid, 0.3)  # (B, H, Q, T)
     want = explicit_lookback(p, valid, Q, T)
+    peak = p.masked_fill(torch.arange(T)[None, :] == qpos[:, None], 0.0).amax(2)  # (B, H, T)
     got = attention_sums(query, key, mask, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
-                         statistics=("sum", "lookback"), backend="torch")
-    torch.testing.assert_close(got, torch.cat([p.sum(2), want], 1), rtol=1e-5, atol=1e-6)
-    assert not got[:, H:, :T - Q].any() and want.abs().max() > 0
+                         statistics=("sum", "max", "lookback"), backend="torch")
+    torch.testing.assert_close(got, torch.cat([p.sum(2), peak, want], 1), rtol=1e-5, atol=1e-6)
+    assert not got[:, 2 * H:, :T - Q].any() and want.abs().max() > 0
     if masked:  # an additive float mask (eager) gives the same
         add = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
         got_f = attention_sums(query, key, add, 0.3, query_valid=valid[:, T - Q:], chunk_size=chunk,
