@@ -407,6 +407,21 @@ class _Chunks:
                 - LOOKBACK_GAP
         return self.near_masks[offset, C, width]
 
+    def _lookback(self, probs: torch.Tensor, d0: int) -> torch.Tensor:
+        """Per query of a chunk, the largest probability on a key at least :data:`LOOKBACK_GAP` positions back and at
+        or after its row's first lookback key: ``probs`` `(B, H_kv, G, C, t)` with the chunk's first query at key
+        position ``d0`` -> `(B, H_kv, G, C)`. Overwrites with zeros the probabilities of the keys closer than the gap
+        (:meth:`_near`), so that one pass over each row finds the maximum: the chunk's last reader calls it."""
+        C, t = probs.shape[3], probs.shape[4]
+        far = min(max(d0 - LOOKBACK_GAP + 1, 0), t)  # keys before `far` are far enough back for every chunk query
+        if far < t:
+            probs[..., far:].masked_fill_(self._near(d0 - far, C, t - far), 0.0)
+        found = probs.new_zeros(probs.shape[:4])
+        for b, lo in enumerate(self.first_rows):
+            if lo < t:
+                torch.amax(probs[b, ..., lo:], dim=-1, out=found[b])
+        return found
+
     def run_single_threaded(self, starts: Iterable[int]):
         torch.set_num_threads(1)  # this worker's own thread count (and, for a while, the process's: see the caller)
         return self.run(starts, torch.float64)
@@ -461,7 +476,7 @@ class _Chunks:
                     window = peak[:, heads, :, :t_end]
                     torch.maximum(window, probs.amax(dim=3), out=window)
                 if self.lookback is not None:  # last: it zeroes the probabilities of keys near each query
-                    self.lookback[:, heads, :, d0:d0 + C] = _chunk_lookback(probs, self.first_rows, d0, self._near)
+                    self.lookback[:, heads, :, d0:d0 + C] = self._lookback(probs, d0)
         return out, peak
 
 
@@ -485,23 +500,6 @@ def _first_lookback_key(attention_mask, query_valid, Q: int, T: int, device) -> 
     else:
         start = torch.zeros(1, dtype=torch.long, device=device)
     return start.to(device=device, dtype=torch.long) + LOOKBACK_SINKS
-
-
-def _chunk_lookback(probs: torch.Tensor, first_rows: list[int], d0: int, near) -> torch.Tensor:
-    """Per query of a chunk, the largest probability on a key at least :data:`LOOKBACK_GAP` positions back and at or
-    after its row's first lookback key (``first_rows``, on the host): ``probs`` `(B, H_kv, G, C, t)` with the chunk's
-    first query at key position ``d0`` -> `(B, H_kv, G, C)`. Overwrites with zeros the probabilities of the keys
-    closer than the gap (``near(offset, C, width)`` gives them for the band of keys from ``far`` on, as
-    :meth:`_Chunks._near`), so that one pass over each row finds the maximum: the chunk's last reader calls it."""
-    C, t = probs.shape[3], probs.shape[4]
-    far = min(max(d0 - LOOKBACK_GAP + 1, 0), t)  # keys before `far` are far enough back for every query of the chunk
-    if far < t:
-        probs[..., far:].masked_fill_(near(d0 - far, C, t - far), 0.0)
-    found = probs.new_zeros(probs.shape[:4])
-    for b, lo in enumerate(first_rows):
-        if lo < t:
-            torch.amax(probs[b, ..., lo:], dim=-1, out=found[b])
-    return found
 
 
 def _reduce(out: torch.Tensor, group_reduce: str) -> torch.Tensor:

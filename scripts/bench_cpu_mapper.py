@@ -62,5 +62,6 @@ def main(argv=None) -> None:
         print(f"| {n} | {times['full']:.3f} s | {times['half']:.3f} s ({times['full'] / times['half']:.2f}x) | "
               f"{times['sdpa']:.3f} s ({times['full'] / times['sdpa']:.2f}x) | {kept[0]:.4f} ({kept[1]:.4f}) |")
 
+
 if __name__ == "__main__":
     main()
