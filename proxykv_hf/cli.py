@@ -6,6 +6,7 @@
     proxykv build-data --tasks niah_single_1 qa --n-per-task 20 --tokens 2048 --out runs/data
     proxykv train --data runs/data --out runs/mapper
     proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
+    proxykv combine-mappers runs/a runs/b --layers 0 1 2 --out runs/ab   # layers 0-2 scored by b's mapper
     proxykv eval --plugin mypackage.scorers --methods full mymethod ...   # a scorer registered in your own module
 
 Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
@@ -161,6 +162,18 @@ def cmd_refit_direct(ns) -> int:
     return 0
 
 
+def cmd_combine_mappers(ns) -> int:
+    from .hub import combine_checkpoints, load_checkpoint, save_checkpoint
+
+    try:
+        ckpt = combine_checkpoints(load_checkpoint(ns.base), load_checkpoint(ns.other), ns.layers)
+    except ValueError as err:
+        raise SystemExit(f"combine-mappers: {err}") from err
+    save_checkpoint(ckpt, ns.out)
+    print(json.dumps({"out": ns.out, "layer_mappers": ckpt.layer_mappers}))
+    return 0
+
+
 def cmd_bench(ns) -> int:
     from .bench.cli import run_bench
 
@@ -269,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for the refitted checkpoint and refit_log.jsonl")
     p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE", help="override LossConfig fields")
     p.set_defaults(fn=cmd_refit_direct)
+
+    p = sub.add_parser("combine-mappers", help="one checkpoint scoring some target layers with another mapper")
+    p.add_argument("base", help="the checkpoint (directory or Hub id) that scores every other layer")
+    p.add_argument("other", help="a checkpoint of the same proxy, target and mapper config (e.g. a fine-tune of base)")
+    p.add_argument("--layers", type=int, nargs="+", required=True, help="0-based target layers that other scores")
+    p.add_argument("--out", required=True, help="directory of the combined checkpoint")
+    p.set_defaults(fn=cmd_combine_mappers)
 
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
     _common(p)

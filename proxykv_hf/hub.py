@@ -4,7 +4,7 @@ A checkpoint is a directory with three files, safetensors only (no pickle):
 
 * ``proxykv_config.json``: format version, mapper config, proxy spec, target description (model id, number of
   compacted layers, KV heads), the layer pairing, training-data summary and validation metrics.
-* ``model.safetensors``: the mapper weights.
+* ``model.safetensors``: the mapper weights (those of any extra mapper under ``extra_mappers.<i>.``).
 * ``README.md``: a generated model card.
 """
 
@@ -31,6 +31,7 @@ CONFIG_NAME = "proxykv_config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 FORMAT_VERSION = 1
+EXTRA_PREFIX = "extra_mappers."  # weight names of Checkpoint.extra_mappers[i]: "extra_mappers.<i>.<name>"
 
 
 @dataclass(kw_only=True)
@@ -68,6 +69,11 @@ class Checkpoint:
             ``layer_mix`` times the mean of the standardised scores of that layer and every earlier one added: a
             token that the earlier layers rank high is kept more often in the later ones too. 0 = off (the paper's
             selection). A scoring setting like ``pool_kernel``.
+        extra_mappers: further mappers of ``mapper``'s config (e.g. another fine-tune of it) for the target layers
+            ``layer_mappers`` gives them (:func:`combine_checkpoints`).
+        layer_mappers: per target layer, the mapper that scores it: 0 is ``mapper``, ``i`` is
+            ``extra_mappers[i - 1]``; None scores every layer with ``mapper``. Each layer runs its own mapper only,
+            so scoring costs what one mapper costs.
     """
 
     mapper: HybridAxialMapper
@@ -77,10 +83,13 @@ class Checkpoint:
     metrics: dict = field(default_factory=dict)
     pool_kernel: int = 1
     layer_mix: float = 0.0
+    extra_mappers: list[HybridAxialMapper] = field(default_factory=list)
+    layer_mappers: list[int] | None = None
 
     def __post_init__(self) -> None:
         check_kernel_size(self.pool_kernel, "pool_kernel")
         self.layer_mix = check_layer_mix(self.layer_mix)
+        self._check_layer_mappers()
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
         want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
@@ -92,6 +101,64 @@ class Checkpoint:
                 raise ValueError(f"a self proxy without a layer list reads every target layer: num_layers "
                                  f"{self.proxy.num_layers}, but the target has {self.target.num_layers}")
             check_self_layers(self.proxy.layers, self.target.num_layers)
+
+    def _check_layer_mappers(self) -> None:
+        self.extra_mappers = list(self.extra_mappers)
+        if self.layer_mappers is None:
+            if self.extra_mappers:
+                raise ValueError("extra_mappers need layer_mappers: which mapper scores each target layer")
+            return
+        n = len(self.extra_mappers)
+        choice = list(self.layer_mappers)
+        if len(choice) != self.target.num_layers or any(type(i) is not int or not 0 <= i <= n for i in choice):
+            raise ValueError(f"layer_mappers must give each of the target's {self.target.num_layers} layers a "
+                             f"mapper index in [0, {n}] (0 = mapper, i = extra_mappers[i - 1]), got {choice}")
+        unused = sorted(set(range(1, n + 1)) - set(choice))
+        if unused:
+            raise ValueError(f"extra mappers {unused} score no layer (layer_mappers {choice})")
+        for i, m in enumerate(self.extra_mappers, 1):
+            if m.config != self.mapper.config:
+                raise ValueError(f"extra mapper {i} has another config than the checkpoint's mapper; every mapper "
+                                 "of a checkpoint reads the same features and has the same shape")
+        self.layer_mappers = choice
+
+    @property
+    def mappers(self) -> list[HybridAxialMapper]:
+        """``mapper`` and the extra mappers, in the order ``layer_mappers`` indexes them."""
+        return [self.mapper, *self.extra_mappers]
+
+    def mapper_for(self, layer: int) -> HybridAxialMapper:
+        """The mapper that scores target layer ``layer`` (0-based)."""
+        return self.mapper if self.layer_mappers is None else self.mappers[self.layer_mappers[layer]]
+
+    def only_mapper(self, purpose: str) -> HybridAxialMapper:
+        """``mapper``, for uses that take one mapper (training from it, refitting it); raises for a combined
+        checkpoint, whose layers are scored by several."""
+        if self.extra_mappers:
+            raise ValueError(f"{purpose} takes a checkpoint with one mapper; this one scores its layers with "
+                             f"{len(self.mappers)} (layer_mappers {self.layer_mappers})")
+        return self.mapper
+
+    def to(self, device) -> "Checkpoint":
+        for m in self.mappers:
+            m.to(device)
+        return self
+
+    def map_features(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Every target layer's logits ``(B, L_l, H_l, N)`` from proxy features ``x`` ``(B, L_s, H_s, N)``, each
+        layer's from its own mapper (:meth:`HybridAxialMapper.forward`)."""
+        if self.layer_mappers is None:
+            return self.mapper(x, attention_mask=attention_mask)
+        out = None
+        for i, m in enumerate(self.mappers):
+            layers = [l for l, j in enumerate(self.layer_mappers) if j == i]
+            if not layers:
+                continue
+            part = m(x, attention_mask=attention_mask, target_layers=layers)
+            if out is None:
+                out = part.new_empty(part.shape[0], len(self.layer_mappers), *part.shape[2:])
+            out[:, layers] = part
+        return out
 
     def check_target(self, config) -> None:
         """Raise if a target model's config does not match the one the mapper was trained for."""
@@ -126,6 +193,8 @@ def _card(ckpt: Checkpoint) -> str:
         f"| score pooling (`pool_kernel`) | {ckpt.pool_kernel} (1 = off) |",
         f"| mixing with earlier layers (`layer_mix`) | {ckpt.layer_mix:g} (0 = off) |",
     ]
+    if ckpt.layer_mappers is not None:
+        lines.append(f"| mapper of each target layer (`layer_mappers`, 0 = the first) | {ckpt.layer_mappers} |")
     for key, value in sorted(ckpt.training.items()):
         lines.append(f"| training {key} | {value} |")
     for key, value in sorted(m.items()):
@@ -145,10 +214,16 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
         "pairing": ckpt.mapper.pairing(),
         "pool_kernel": ckpt.pool_kernel,
         "layer_mix": ckpt.layer_mix,
+        "layer_mappers": ckpt.layer_mappers,
         "training": ckpt.training,
         "metrics": ckpt.metrics,
     }
-    state = {k: v.detach().contiguous().cpu() for k, v in ckpt.mapper.state_dict().items()}
+    state = {}
+    for i, m in enumerate(ckpt.mappers):
+        prefix = "" if i == 0 else f"{EXTRA_PREFIX}{i - 1}."
+        # extra mappers cloned: one may share its tensors with another (a checkpoint combined with itself)
+        state.update({prefix + k: v.detach().cpu().contiguous().clone() if i else v.detach().contiguous().cpu()
+                      for k, v in m.state_dict().items()})
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (path / CARD_NAME).write_text(_card(ckpt))
@@ -188,14 +263,48 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     config = json.loads((path / CONFIG_NAME).read_text())
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"unsupported checkpoint format_version {config.get('format_version')!r} in {path}")
-    mapper = HybridAxialMapper(MapperConfig.from_dict(config["mapper"]))
+    mapper_config = MapperConfig.from_dict(config["mapper"])
     state = load_file(str(path / WEIGHTS_NAME), device=str(map_location))
-    mapper.load_state_dict(state, strict=True)
-    mapper.to(map_location).eval()
-    return Checkpoint(mapper=mapper, proxy=ProxySpec.from_dict(config["proxy"]),
+    layer_mappers = config.get("layer_mappers")
+    mappers = []
+    for i in range(1 + max(layer_mappers or [0])):
+        prefix = "" if i == 0 else f"{EXTRA_PREFIX}{i - 1}."
+        own = {k[len(prefix):]: v for k, v in state.items()
+               if k.startswith(prefix) and (i > 0 or not k.startswith(EXTRA_PREFIX))}
+        mapper = HybridAxialMapper(mapper_config)
+        mapper.load_state_dict(own, strict=True)
+        mappers.append(mapper.to(map_location).eval())
+    return Checkpoint(mapper=mappers[0], proxy=ProxySpec.from_dict(config["proxy"]),
                       target=TargetSpec(**config["target"]), training=config.get("training", {}),
                       metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1),
-                      layer_mix=config.get("layer_mix", 0.0))
+                      layer_mix=config.get("layer_mix", 0.0), extra_mappers=mappers[1:], layer_mappers=layer_mappers)
+
+
+def combine_checkpoints(base: Checkpoint, other: Checkpoint, layers: list[int]) -> Checkpoint:
+    """``base`` with target ``layers`` (0-based) scored by ``other``'s mapper: a checkpoint of several mappers
+    (:attr:`Checkpoint.layer_mappers`). Both must read the same proxy for the same target with the same mapper
+    config (e.g. two fine-tunes of one mapper); selection settings (``pool_kernel``, ``layer_mix``) are ``base``'s.
+    The new checkpoint's ``training`` holds ``base``'s and, under ``"combined"``, the layers and ``other``'s."""
+    theirs = other.only_mapper("combine_checkpoints' other")
+    n = base.target.num_layers
+    if not layers or any(type(l) is not int or not 0 <= l < n for l in layers):
+        raise ValueError(f"layers must be a non-empty list of target layers in [0, {n}), got {layers}")
+    for name, a, b in (("proxy", base.proxy, other.proxy), ("target", base.target.to_dict(), other.target.to_dict()),
+                       ("mapper config", base.mapper.config, other.mapper.config)):
+        if a != b:
+            raise ValueError(f"the two checkpoints differ in their {name}: {a} against {b}")
+    choice = list(base.layer_mappers or [0] * n)
+    for l in layers:
+        choice[l] = len(base.mappers)
+    kept = sorted(set(choice))  # drop the mappers no layer reads any more, keeping the first one first
+    if kept[0] != 0:
+        kept.insert(0, 0)
+    mappers = [(base.mappers + [theirs])[i] for i in kept]
+    combined = {"layers": sorted(set(layers)), "training": other.training, "metrics": other.metrics}
+    return Checkpoint(mapper=mappers[0], proxy=base.proxy, target=base.target,
+                      training={**base.training, "combined": combined}, metrics=base.metrics,
+                      pool_kernel=base.pool_kernel, layer_mix=base.layer_mix, extra_mappers=mappers[1:],
+                      layer_mappers=[kept.index(i) for i in choice])
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

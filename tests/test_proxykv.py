@@ -174,6 +174,68 @@ def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, 
             assert torch.equal(idx, cache.layers[layer].kept_positions), (seed, layer)
 
 
+@pytest.mark.parametrize("kind", ["layers", "self"])
+def test_combined_checkpoint_scores_each_layer_with_its_own_mapper(tmp_path, target, kind):
+    """``combine-mappers``: a checkpoint whose layers 0 and 2 are scored by another mapper keeps, in every layer,
+    what the checkpoint of that layer's mapper keeps alone (a background proxy, and the self proxy scored layer by
+    layer); it survives a save and load, weights included."""
+    from proxykv_hf.cli import main
+
+    path_a, ckpt = make_checkpoint(tmp_path, kind, "a")
+    torch.manual_seed(1)
+    ckpt.mapper = HybridAxialMapper(ckpt.mapper.config).eval()
+    path_b = save_checkpoint(ckpt, tmp_path / "b")
+    main(["combine-mappers", str(path_a), str(path_b), "--layers", "0", "2", "--out", str(tmp_path / "ab")])
+    both = load_checkpoint(tmp_path / "ab")
+    assert both.layer_mappers == [1, 0, 1, 0]
+    assert both.training["combined"]["layers"] == [0, 2]
+    assert "`layer_mappers`, 0 = the first) | [1, 0, 1, 0]" in (tmp_path / "ab" / "README.md").read_text()
+    for mine, theirs in ((both.mapper, load_checkpoint(path_a).mapper), (both.extra_mappers[0], ckpt.mapper)):
+        for (name, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
+            assert torch.equal(a, b), name
+    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
+    kept = {}
+    for name in ("a", "b", "ab"):
+        cache = ProxyKVCache.from_pretrained(tmp_path / name, keep_ratio=0.3, **FLOAT32)
+        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        kept[name] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
+    for layer, source in enumerate("baba"):
+        assert torch.equal(kept["ab"][layer], kept[source][layer]), layer
+    assert not all(torch.equal(a, b) for a, b in zip(kept["a"], kept["b"]))  # the two mappers keep other tokens
+    # all layers from b: a's mapper stays first, unused
+    main(["combine-mappers", str(path_a), str(path_b), "--layers", "0", "1", "2", "3", "--out", str(tmp_path / "bb")])
+    assert load_checkpoint(tmp_path / "bb").layer_mappers == [1, 1, 1, 1]
+
+
+def test_combined_checkpoint_errors(tmp_path):
+    _, ckpt = make_checkpoint(tmp_path, "self")
+    other = HybridAxialMapper(ckpt.mapper.config).eval()
+    args = dict(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target)
+    with pytest.raises(ValueError, match="extra_mappers need layer_mappers"):
+        Checkpoint(**args, extra_mappers=[other])
+    with pytest.raises(ValueError, match="layer_mappers must give each of the target's 4 layers"):
+        Checkpoint(**args, extra_mappers=[other], layer_mappers=[0, 1, 1])
+    with pytest.raises(ValueError, match=r"a mapper index in \[0, 1\]"):
+        Checkpoint(**args, extra_mappers=[other], layer_mappers=[0, 1, 2, 0])
+    with pytest.raises(ValueError, match=r"extra mappers \[2\] score no layer"):
+        Checkpoint(**args, extra_mappers=[other, other], layer_mappers=[0, 1, 1, 0])
+    wider = HybridAxialMapper(MapperConfig.from_dict({**ckpt.mapper.config.to_dict(), "d_time": 16}))
+    with pytest.raises(ValueError, match="extra mapper 1 has another config"):
+        Checkpoint(**args, extra_mappers=[wider], layer_mappers=[0, 1, 1, 0])
+    from proxykv_hf.hub import combine_checkpoints
+
+    both = combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": other}), [3])
+    assert both.layer_mappers == [0, 0, 0, 1] and both.mapper_for(3) is other
+    with pytest.raises(ValueError, match="--init-from takes a checkpoint with one mapper"):
+        both.only_mapper("--init-from")
+    with pytest.raises(ValueError, match="takes a checkpoint with one mapper"):
+        combine_checkpoints(ckpt, both, [0])
+    with pytest.raises(ValueError, match=r"layers must be a non-empty list of target layers in \[0, 4\)"):
+        combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": other}), [4])
+    with pytest.raises(ValueError, match="differ in their mapper config"):
+        combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": wider}), [0])
+
+
 def test_global_norm_layer_standardises_each_layer_over_its_real_tokens(tmp_path):
     """``global_norm="layer"`` puts every layer's scores on one scale (mean 0, spread 1 over all its heads' real
     tokens, per row) before the global ranking; ``"none"`` passes them through; padding does not move the moments;

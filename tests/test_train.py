@@ -310,6 +310,39 @@ def test_layers_per_step_trains_on_a_random_subset(self_data, tmp_path, monkeypa
         fast_train(layers_per_step=0)
 
 
+def test_target_layers_train_and_validate_on_those_layers_alone(self_data, tmp_path, monkeypatch):
+    """``target_layers``: every training step draws among those layers only, validation scores them alone, and a
+    combined checkpoint cannot be the start of a run."""
+    from proxykv_hf.hub import combine_checkpoints, save_checkpoint
+
+    mcfg = mapper_config_for(self_data, "tiny")
+    assert mcfg.num_target_layers >= 3
+    seen = []
+    original = HybridAxialMapper.forward
+
+    def spy(self, x, attention_mask=None, target_layers=None):
+        out = original(self, x, attention_mask, target_layers)
+        seen.append((self.training, target_layers, out.shape[1]))
+        return out
+
+    monkeypatch.setattr(HybridAxialMapper, "forward", spy)
+    ckpt = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=6, layers_per_step=1,
+                                                                     target_layers=[2, 0]))
+    trained = [l for on, l, _ in seen if on]
+    assert len(trained) == 6 and all(len(l) == 1 and l[0] in (0, 2) for l in trained)
+    assert {l[0] for l in trained} == {0, 2}
+    assert all(l == [0, 2] and n == 2 for on, l, n in seen if not on)  # validation: those two layers
+    assert ckpt.training["train_config"]["target_layers"] == [0, 2]
+    assert math.isfinite(ckpt.metrics["loss"])
+    with pytest.raises(ValueError, match="target_layers must be a non-empty list"):
+        fast_train(target_layers=[])
+    with pytest.raises(ValueError, match=f"the mapper scores {mcfg.num_target_layers} target layers"):
+        train_mapper(self_data, tmp_path / "b", mcfg, fast_train(max_steps=1, target_layers=[mcfg.num_target_layers]))
+    both = save_checkpoint(combine_checkpoints(ckpt, ckpt, [1]), tmp_path / "both")
+    with pytest.raises(ValueError, match="--init-from takes a checkpoint with one mapper"):
+        train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, init_from=str(both)))
+
+
 def test_init_from_starts_at_a_checkpoints_weights(self_data, tmp_path):
     mcfg = mapper_config_for(self_data, "tiny")
     first = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=3))

@@ -266,7 +266,7 @@ class Bench:
             t_proxy = max(0.0, t_proxy - plain_prefill_s)
         dev = next(mapper.parameters()).device
         # as ProxyScorer runs it on an unpadded prompt: its autocast, no padding mask
-        _, t_mapper = timed(lambda: scorer._map(lambda: mapper(x.to(dev), attention_mask=None), dev), self.device,
+        _, t_mapper = timed(lambda: scorer._map(lambda: scorer.checkpoint.map_features(x.to(dev)), dev), self.device,
                             warmup=1)
         scores = torch.rand(1, full.layers[0].keys.shape[1], ids.shape[1], device=self.device)
 

@@ -120,12 +120,13 @@ class ProxyScorer(BackgroundScorer):
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
                                                                                                 "pool_kernel")
         self.layer_mix = checkpoint.layer_mix if layer_mix is None else check_layer_mix(layer_mix)
-        encoder = checkpoint.mapper.time_encoder
-        if compile_mapper and not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
-            encoder.forward = torch.compile(encoder.forward)
+        for encoder in (m.time_encoder for m in checkpoint.mappers):
+            if compile_mapper and not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
+                encoder.forward = torch.compile(encoder.forward)
         self._mixer = LayerMixer(self.layer_mix)
         self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read
-        self._encoded: tuple[int, torch.Tensor] | None = None  # (proxy layer, its encoding), shared by its targets
+        # (mapper, proxy layer, the layer's encoding by it), shared by the target layers paired with that layer
+        self._encoded: tuple[object, int, torch.Tensor] | None = None
         self._same_device = True
         self._padded = True  # the prompt has padding, so the mapper reads a mask (prepare() checks)
         self._scores: torch.Tensor | None = None
@@ -164,6 +165,8 @@ class ProxyScorer(BackgroundScorer):
 
     @property
     def mapper(self):
+        """The checkpoint's (first) mapper; a combined checkpoint scores some layers with others
+        (:meth:`~proxykv_hf.hub.Checkpoint.mapper_for`)."""
         return self.checkpoint.mapper
 
     def fresh(self) -> "ProxyScorer":
@@ -204,7 +207,7 @@ class ProxyScorer(BackgroundScorer):
         self._same_device = _same_device(device, prompt.input_ids.device)
         ids = prompt.input_ids.to(device, non_blocking=True)
         mask = prompt.valid.to(device, non_blocking=True).long() if self._padded else None
-        self.mapper.to(device)
+        self.checkpoint.to(device)
         if device.type != "cuda":
             self._scores = self._run(runner, ids, mask)
             return
@@ -288,7 +291,7 @@ class ProxyScorer(BackgroundScorer):
     @torch.no_grad()
     def _run(self, runner, ids, mask) -> torch.Tensor:
         x = self.features(runner, ids, mask)
-        return self._map(lambda: self.mapper(x, attention_mask=mask), ids.device)  # (B, L_l, H_l, N)
+        return self._map(lambda: self.checkpoint.map_features(x, mask), ids.device)  # (B, L_l, H_l, N)
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
@@ -306,7 +309,7 @@ class ProxyScorer(BackgroundScorer):
                                        query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
                                        chunk_size=self.chunk_size, statistics=self.spec.statistics)
                 self._features[self._proxy_of[layer]] = x
-            self.mapper.to(device)
+            self.checkpoint.to(device)
             mask = inputs.valid.to(device).long() if self._padded else None
             return self._map(lambda: self._self_scores(layer, mask), device)
         self._wait(device)
@@ -318,8 +321,9 @@ class ProxyScorer(BackgroundScorer):
     def _self_scores(self, layer: int, mask: torch.Tensor) -> torch.Tensor:
         """A self proxy's scores of compacted layer ``layer`` from the features of the proxy layer paired with it
         and, through the direct path, of the ones before it (``MapperConfig.direct_context``); the encoding of a
-        proxy layer serves every target layer paired with it. Drops the features no later layer reads."""
-        mapper = self.mapper
+        proxy layer serves every target layer paired with it (and scored by the same mapper,
+        :meth:`~proxykv_hf.hub.Checkpoint.mapper_for`). Drops the features no later layer reads."""
+        mapper = self.checkpoint.mapper_for(layer)
         paired, *earlier = mapper.direct_layers(layer) if mapper.direct is not None else [mapper.pairing()[layer]]
         missing = [q for q in (paired, *earlier) if q not in self._features]
         if missing:
@@ -327,10 +331,10 @@ class ProxyScorer(BackgroundScorer):
                                f"but {missing} were not scored before it in this prefill (layers must come in order, "
                                "one prompt at a time; start each prompt on a fresh or reset cache)")
         x = self._features[paired]
-        if self._encoded is None or self._encoded[0] != paired:
-            self._encoded = (paired, mapper.encode(x, mask))
+        if self._encoded is None or self._encoded[:2] != (mapper, paired):
+            self._encoded = (mapper, paired, mapper.encode(x, mask))
         scores = mapper.forward_layer(x, layer, mask, earlier=[self._features[q] for q in earlier],
-                                      encoded=self._encoded[1])
+                                      encoded=self._encoded[2])
         for q in [q for q in self._features if q < paired - mapper.config.direct_context]:
             del self._features[q]  # later layers read this proxy layer or later ones, and as far back as this one
         return scores

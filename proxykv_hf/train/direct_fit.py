@@ -156,7 +156,7 @@ def refit_direct_path(checkpoint: str | os.PathLike, data_dir: str | os.PathLike
 
     cfg = config or DirectFitConfig()
     ckpt = load_checkpoint(checkpoint)
-    mapper = ckpt.mapper.float().eval()
+    mapper = ckpt.only_mapper("refit-direct").float().eval()
     if mapper.direct is None:
         raise ValueError(f"{checkpoint} has no direct path (MapperConfig.direct_path is off): nothing to refit")
     mapper = _with_context(mapper, cfg.direct_context)

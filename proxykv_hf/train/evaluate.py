@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def evaluate_mapper(mapper: torch.nn.Module, dataset: Dataset, ratios: Sequence[float] = (0.1, 0.3, 0.5),
                     loss_config: LossConfig | None = None, *, batch_size: int = 8, device=None, seed: int = 0,
-                    num_workers: int = 0) -> dict[str, float]:
-    """Validation metrics of ``mapper`` on ``dataset`` (items ``{"x", "y", "mask"}``), in eval mode, float32.
+                    num_workers: int = 0, target_layers: Sequence[int] | None = None) -> dict[str, float]:
+    """Validation metrics of ``mapper`` on ``dataset`` (items ``{"x", "y", "mask"}``), in eval mode, float32, over
+    ``target_layers`` (0-based; None = all).
 
     Returns:
         ``{"loss", "loss_<term>" (unweighted hybrid-loss terms), "mass_recovery@<r>", "topk_recall@<r>", "crops"}``;
@@ -34,12 +35,15 @@ def evaluate_mapper(mapper: torch.nn.Module, dataset: Dataset, ratios: Sequence[
     device = torch.device(device) if device is not None else next(mapper.parameters()).device
     was_training = mapper.training
     mapper.eval()
+    layers = None if target_layers is None else list(target_layers)
 
     def batches():
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers)
         for batch in loader:
             x, y, mask = (batch[k].to(device) for k in ("x", "y", "mask"))
-            yield mapper(x, attention_mask=mask.long()).float(), y, mask  # (B, L_l, H_l, C)
+            if layers is not None:
+                y = y[:, layers]
+            yield mapper(x, attention_mask=mask.long(), target_layers=layers).float(), y, mask  # (B, L_l, H_l, C)
 
     try:
         out = logit_metrics(batches(), ratios, loss_config, device=device, seed=seed)

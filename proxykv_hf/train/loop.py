@@ -90,6 +90,9 @@ class TrainConfig:
         layers_per_step: train each step on this many target layers drawn at random (the mapper is shared by
             all layers, so this is an unbiased estimate of the full loss at a fraction of the cost; the
             validation always scores every layer); None = all layers.
+        target_layers: train and validate on these target layers alone (0-based), e.g. a mapper meant to score
+            some layers of a combined checkpoint (:func:`~proxykv_hf.hub.combine_checkpoints`); ``layers_per_step``
+            then draws among them. None = all.
         statistics: train on these proxy statistics of the dataset (a subset, e.g. ``("sum",)`` of a sum+max
             dataset; :class:`~proxykv_hf.train.dataset.MapperDataset`); None = all it holds. The mapper config
             must read as many (:func:`mapper_config_for` with the same ``statistics``).
@@ -120,6 +123,7 @@ class TrainConfig:
     eval_batch_size: int | None = None
     loss: LossConfig = field(default_factory=LossConfig)
     layers_per_step: int | None = None
+    target_layers: tuple[int, ...] | None = None
     init_from: str | None = None
     direct_path_lr_mult: float = 1.0
     statistics: tuple[str, ...] | None = None
@@ -154,6 +158,11 @@ class TrainConfig:
             raise ValueError(f"eval_ratios must be values in (0, 1], got {self.eval_ratios!r}")
         if self.statistics is not None:
             self.statistics = check_statistics(self.statistics)
+        if self.target_layers is not None:
+            self.target_layers = tuple(sorted(set(self.target_layers)))
+            if not self.target_layers or any(type(i) is not int or i < 0 for i in self.target_layers):
+                raise ValueError(f"target_layers must be a non-empty list of ints >= 0 or None, "
+                                 f"got {self.target_layers!r}")
         if self.proxy_layers is not None:
             self.proxy_layers = tuple(self.proxy_layers)
             if not self.proxy_layers or any(isinstance(i, bool) or not isinstance(i, int) for i in self.proxy_layers):
@@ -221,10 +230,13 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    if cfg.target_layers is not None and cfg.target_layers[-1] >= mapper_config.num_target_layers:
+        raise ValueError(f"target_layers {list(cfg.target_layers)}: the mapper scores {mapper_config.num_target_layers} "
+                         "target layers")
     mapper = HybridAxialMapper(mapper_config)
     last = find_last(out) if resume else None
     if cfg.init_from is not None and last is None:  # a resumed run's own state wins
-        init_mapper_from(mapper, load_checkpoint(cfg.init_from).mapper, cfg.init_from)
+        init_mapper_from(mapper, load_checkpoint(cfg.init_from).only_mapper("--init-from"), cfg.init_from)
     optimizer = torch.optim.AdamW(param_groups(mapper, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sampler = EpochSampler(len(train_set), cfg.seed)
     loader = DataLoader(train_set, batch_size=cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
@@ -270,10 +282,12 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
         bar = tqdm(total=steps_per_epoch, initial=state.epoch_step, desc=f"epoch {state.epoch + 1}/{cfg.epochs}",
                    disable=not (main and cfg.progress), leave=False)
         for batch in batches:
-            y, layers = batch["y"], None
-            if cfg.layers_per_step is not None and cfg.layers_per_step < y.shape[1]:
-                layers = torch.randperm(y.shape[1], generator=gen, device=gen.device)[:cfg.layers_per_step]
-                layers = sorted(layers.tolist())
+            y, layers = batch["y"], None if cfg.target_layers is None else list(cfg.target_layers)
+            pool = layers or list(range(y.shape[1]))
+            if cfg.layers_per_step is not None and cfg.layers_per_step < len(pool):
+                drawn = torch.randperm(len(pool), generator=gen, device=gen.device)[:cfg.layers_per_step]
+                layers = sorted(pool[i] for i in drawn.tolist())
+            if layers is not None:
                 y = y[:, layers]
             with accelerator.autocast():
                 logits = model(batch["x"], attention_mask=batch["mask"].long(), target_layers=layers)
@@ -307,7 +321,8 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
         metrics = None
         if main:
             metrics = evaluate_mapper(unwrapped, val_set, cfg.eval_ratios, cfg.loss,
-                                      batch_size=cfg.eval_batch_size or cfg.batch_size, seed=cfg.seed)
+                                      batch_size=cfg.eval_batch_size or cfg.batch_size, seed=cfg.seed,
+                                      target_layers=cfg.target_layers)
         metrics = broadcast_object_list([metrics])[0]
         train_loss = epoch_loss / max(epoch_n, 1)
         monitor = metrics.get("loss", train_loss)  # no validation set: the training loss decides
