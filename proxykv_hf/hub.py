@@ -221,9 +221,8 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
     state = {}
     for i, m in enumerate(ckpt.mappers):
         prefix = "" if i == 0 else f"{EXTRA_PREFIX}{i - 1}."
-        # extra mappers cloned: one may share its tensors with another (a checkpoint combined with itself)
-        state.update({prefix + k: v.detach().cpu().contiguous().clone() if i else v.detach().contiguous().cpu()
-                      for k, v in m.state_dict().items()})
+        # cloned: two mappers may share tensors (a checkpoint combined with itself), which safetensors refuses
+        state.update({prefix + k: v.detach().cpu().contiguous().clone() for k, v in m.state_dict().items()})
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (path / CARD_NAME).write_text(_card(ckpt))

@@ -120,8 +120,8 @@ class ProxyScorer(BackgroundScorer):
         self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
                                                                                                 "pool_kernel")
         self.layer_mix = checkpoint.layer_mix if layer_mix is None else check_layer_mix(layer_mix)
-        for encoder in (m.time_encoder for m in checkpoint.mappers):
-            if compile_mapper and not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
+        for encoder in (m.time_encoder for m in checkpoint.mappers if compile_mapper):
+            if not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
                 encoder.forward = torch.compile(encoder.forward)
         self._mixer = LayerMixer(self.layer_mix)
         self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read

@@ -89,7 +89,7 @@ class TrainConfig:
             apply to them alike.
         layers_per_step: train each step on this many target layers drawn at random (the mapper is shared by
             all layers, so this is an unbiased estimate of the full loss at a fraction of the cost; the
-            validation always scores every layer); None = all layers.
+            validation always scores every layer, or every one of ``target_layers``); None = all layers.
         target_layers: train and validate on these target layers alone (0-based), e.g. a mapper meant to score
             some layers of a combined checkpoint (:func:`~proxykv_hf.hub.combine_checkpoints`); ``layers_per_step``
             then draws among them. None = all.
