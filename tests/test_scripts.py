@@ -17,10 +17,10 @@ DATA = ROOT / "docs" / "data"
 pytestmark = pytest.mark.slow  # each run starts a Python process with torch and transformers
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
+def run(script: str, *args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
     """``scripts/script`` run with ``args``: Python scripts by this interpreter, shell scripts by bash (their
-    Python calls use this interpreter too, through ``$PYTHON``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg", PYTHON=sys.executable)
+    Python calls use ``python``, this interpreter by default, through ``$PYTHON``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MPLBACKEND="Agg", PYTHON=python)
     runner = "bash" if script.endswith(".sh") else sys.executable
     return subprocess.run([runner, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
@@ -132,12 +132,15 @@ def test_build_train_data_runs_one_job_per_task_at_its_seed_and_merges(tmp_path)
 
 
 def test_build_train_data_stops_jobs_at_the_deadline(tmp_path):
-    done = run("build_train_data.sh", str(tmp_path), "--workers", "1", "--stop-after", "1", "--tokens", "600",
-               "--n-per-task", "1", "--tasks", "needle:filler-train multikey:pycode", "--", "--tiny", "--device", "cpu")
+    slow = tmp_path / "slow_start.py"  # a job's Python starts 30 s late, so the 1 s deadline always falls before it
+    slow.write_text("import os, sys, time\ntime.sleep(30)\nos.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+    done = run("build_train_data.sh", str(tmp_path / "out"), "--workers", "1", "--stop-after", "1", "--tokens", "600",
+               "--n-per-task", "1", "--tasks", "needle:filler-train multikey:pycode", "--", "--tiny", "--device", "cpu",
+               python=f"{sys.executable} {slow}")
     # the first job is interrupted while it starts, the second never starts: nothing to merge
     assert done.returncode == 1 and "stopped needle_filler-train-0" in done.stdout
     assert "skipped multikey_pycode-0" in done.stdout and "no job finished a shard" in done.stderr
-    assert not (tmp_path / "data").exists()
+    assert not (tmp_path / "out" / "data").exists()
 
 
 def test_build_train_data_with_one_job_passes_its_arguments_whole(tmp_path):
