@@ -7,6 +7,7 @@
     proxykv train --data runs/data --out runs/mapper
     proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
     proxykv combine-mappers runs/a runs/b --layers 0 1 2 --out runs/ab   # layers 0-2 scored by b's mapper
+    proxykv combine-mappers runs/a runs/b --weight 0.5 --out runs/ab     # a's and b's weights averaged
     proxykv eval --plugin mypackage.scorers --methods full mymethod ...   # a scorer registered in your own module
 
 Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
@@ -163,14 +164,18 @@ def cmd_refit_direct(ns) -> int:
 
 
 def cmd_combine_mappers(ns) -> int:
-    from .hub import combine_checkpoints, load_checkpoint, save_checkpoint
+    from .hub import combine_checkpoints, interpolate_checkpoints, load_checkpoint, save_checkpoint
 
+    base, other = load_checkpoint(ns.base), load_checkpoint(ns.other)
     try:
-        ckpt = combine_checkpoints(load_checkpoint(ns.base), load_checkpoint(ns.other), ns.layers)
+        if ns.layers is not None:
+            ckpt = combine_checkpoints(base, other, ns.layers)
+        else:
+            ckpt = interpolate_checkpoints(base, other, ns.weight)
     except ValueError as err:
         raise SystemExit(f"combine-mappers: {err}") from err
     save_checkpoint(ckpt, ns.out)
-    print(json.dumps({"out": ns.out, "layer_mappers": ckpt.layer_mappers}))
+    print(json.dumps({"out": ns.out, "layer_mappers": ckpt.layer_mappers, "weight": ns.weight}))
     return 0
 
 
@@ -283,10 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE", help="override LossConfig fields")
     p.set_defaults(fn=cmd_refit_direct)
 
-    p = sub.add_parser("combine-mappers", help="one checkpoint scoring some target layers with another mapper")
+    p = sub.add_parser("combine-mappers", help="one checkpoint from two mappers: some target layers scored by the "
+                                               "other (--layers), or the two mappers' weights averaged (--weight)")
     p.add_argument("base", help="the checkpoint (directory or Hub id) that scores every other layer")
     p.add_argument("other", help="a checkpoint of the same proxy, target and mapper config (e.g. a fine-tune of base)")
-    p.add_argument("--layers", type=int, nargs="+", required=True, help="0-based target layers that other scores")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--layers", type=int, nargs="+", help="0-based target layers that other scores")
+    how.add_argument("--weight", type=float,
+                     help="one mapper with weights (1 - W) * base + W * other, W in [0, 1]")
     p.add_argument("--out", required=True, help="directory of the combined checkpoint")
     p.set_defaults(fn=cmd_combine_mappers)
 

@@ -288,10 +288,7 @@ def combine_checkpoints(base: Checkpoint, other: Checkpoint, layers: list[int]) 
     n = base.target.num_layers
     if not layers or any(type(l) is not int or not 0 <= l < n for l in layers):
         raise ValueError(f"layers must be a non-empty list of target layers in [0, {n}), got {layers}")
-    for name, a, b in (("proxy", base.proxy, other.proxy), ("target", base.target.to_dict(), other.target.to_dict()),
-                       ("mapper config", base.mapper.config, other.mapper.config)):
-        if a != b:
-            raise ValueError(f"the two checkpoints differ in their {name}: {a} against {b}")
+    _check_alike(base, other)
     choice = list(base.layer_mappers or [0] * n)
     for l in layers:
         choice[l] = len(base.mappers)
@@ -304,6 +301,33 @@ def combine_checkpoints(base: Checkpoint, other: Checkpoint, layers: list[int]) 
                       training={**base.training, "combined": combined}, metrics=base.metrics,
                       pool_kernel=base.pool_kernel, layer_mix=base.layer_mix, extra_mappers=mappers[1:],
                       layer_mappers=[kept.index(i) for i in choice])
+
+
+def interpolate_checkpoints(base: Checkpoint, other: Checkpoint, weight: float) -> Checkpoint:
+    """One mapper whose weights are ``(1 - weight) * base + weight * other`` (floating-point tensors; integer buffers
+    are ``base``'s), e.g. a fine-tune averaged with the mapper it started from, which often keeps more of what the start
+    did well than the fine-tune alone (weight-space ensembling, WiSE-FT). Both must hold one mapper of the same
+    config for the same proxy and target; selection settings are ``base``'s. ``training`` holds ``base``'s and,
+    under ``"interpolated"``, the weight and ``other``'s; ``metrics`` is empty (no validation ran on the result)."""
+    mine, theirs = base.only_mapper("interpolate_checkpoints' base"), other.only_mapper("interpolate_checkpoints' other")
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"weight must lie in [0, 1] (0 = base, 1 = other), got {weight}")
+    _check_alike(base, other)
+    a, b = mine.state_dict(), theirs.state_dict()
+    mixed = HybridAxialMapper(mine.config)
+    mixed.load_state_dict({k: (1 - weight) * v + weight * b[k].to(v) if v.is_floating_point() else v.clone()
+                           for k, v in a.items()}, strict=True)
+    interpolated = {"weight": weight, "training": other.training, "metrics": other.metrics}
+    return Checkpoint(mapper=mixed.to(next(mine.parameters()).device).eval(), proxy=base.proxy, target=base.target,
+                      training={**base.training, "interpolated": interpolated}, metrics={},
+                      pool_kernel=base.pool_kernel, layer_mix=base.layer_mix)
+
+
+def _check_alike(base: Checkpoint, other: Checkpoint) -> None:
+    for name, a, b in (("proxy", base.proxy, other.proxy), ("target", base.target.to_dict(), other.target.to_dict()),
+                       ("mapper config", base.mapper.config, other.mapper.config)):
+        if a != b:
+            raise ValueError(f"the two checkpoints differ in their {name}: {a} against {b}")
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

@@ -236,6 +236,57 @@ def test_combined_checkpoint_errors(tmp_path):
         combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": wider}), [0])
 
 
+def test_interpolated_checkpoint_averages_the_two_mappers_weights(tmp_path, target):
+    """``combine-mappers --weight W``: one mapper whose floating-point weights are ``(1 - W) * a + W * b``; at W = 0
+    and 1 it keeps exactly what ``a`` and ``b`` keep alone, and the card and config say what was averaged."""
+    from proxykv_hf.cli import main
+
+    path_a, ckpt = make_checkpoint(tmp_path, "self", "a")
+    torch.manual_seed(1)
+    ckpt.mapper = HybridAxialMapper(ckpt.mapper.config).eval()
+    path_b = save_checkpoint(ckpt, tmp_path / "b")
+    a, b = load_checkpoint(path_a).mapper.state_dict(), ckpt.mapper.state_dict()
+    for w in (0.0, 0.25, 1.0):
+        main(["combine-mappers", str(path_a), str(path_b), "--weight", str(w), "--out", str(tmp_path / f"w{w}")])
+        mixed = load_checkpoint(tmp_path / f"w{w}")
+        assert mixed.layer_mappers is None and mixed.extra_mappers == [] and mixed.metrics == {}
+        assert mixed.training["interpolated"]["weight"] == w
+        for name, v in mixed.mapper.state_dict().items():
+            want = (1 - w) * a[name] + w * b[name] if v.is_floating_point() else a[name]
+            assert torch.allclose(v, want, atol=1e-7), (w, name)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
+    kept = {}
+    for name in ("a", "b", "w0.0", "w1.0", "w0.25"):
+        cache = ProxyKVCache.from_pretrained(tmp_path / name, keep_ratio=0.3, **FLOAT32)
+        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        kept[name] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
+    assert all(torch.equal(x, y) for x, y in zip(kept["a"], kept["w0.0"]))
+    assert all(torch.equal(x, y) for x, y in zip(kept["b"], kept["w1.0"]))
+    assert "interpolated" in (tmp_path / "w0.25" / "README.md").read_text()
+
+
+def test_interpolated_checkpoint_errors(tmp_path):
+    from proxykv_hf.cli import main
+    from proxykv_hf.hub import combine_checkpoints, interpolate_checkpoints
+
+    path, ckpt = make_checkpoint(tmp_path, "self")
+    args = dict(proxy=ckpt.proxy, target=ckpt.target)
+    other = Checkpoint(mapper=HybridAxialMapper(ckpt.mapper.config).eval(), **args)
+    for w in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"weight must lie in \[0, 1\]"):
+            interpolate_checkpoints(ckpt, other, w)
+    wider = HybridAxialMapper(MapperConfig.from_dict({**ckpt.mapper.config.to_dict(), "d_time": 16}))
+    with pytest.raises(ValueError, match="differ in their mapper config"):
+        interpolate_checkpoints(ckpt, Checkpoint(mapper=wider, **args), 0.5)
+    with pytest.raises(ValueError, match="takes a checkpoint with one mapper"):
+        interpolate_checkpoints(combine_checkpoints(ckpt, other, [0]), other, 0.5)
+    with pytest.raises(SystemExit):  # --layers and --weight are one or the other
+        main(["combine-mappers", str(path), str(path), "--layers", "0", "--weight", "0.5", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="combine-mappers: weight must lie"):
+        main(["combine-mappers", str(path), str(path), "--weight", "2", "--out", str(tmp_path / "x")])
+
+
 def test_global_norm_layer_standardises_each_layer_over_its_real_tokens(tmp_path):
     """``global_norm="layer"`` puts every layer's scores on one scale (mean 0, spread 1 over all its heads' real
     tokens, per row) before the global ranking; ``"none"`` passes them through; padding does not move the moments;
