@@ -166,8 +166,8 @@ def cmd_refit_direct(ns) -> int:
 def cmd_combine_mappers(ns) -> int:
     from .hub import combine_checkpoints, interpolate_checkpoints, load_checkpoint, save_checkpoint
 
-    base, other = load_checkpoint(ns.base), load_checkpoint(ns.other)
     try:
+        base, other = load_checkpoint(ns.base), load_checkpoint(ns.other)
         if ns.layers is not None:
             ckpt = combine_checkpoints(base, other, ns.layers)
         else:

@@ -34,6 +34,11 @@ FORMAT_VERSION = 1
 EXTRA_PREFIX = "extra_mappers."  # weight names of Checkpoint.extra_mappers[i]: "extra_mappers.<i>.<name>"
 
 
+def _weight_prefix(i: int) -> str:
+    """The prefix of the weight names of ``Checkpoint.mappers[i]`` in ``model.safetensors``."""
+    return "" if i == 0 else f"{EXTRA_PREFIX}{i - 1}."
+
+
 @dataclass(kw_only=True)
 class TargetSpec:
     """The target model a mapper was trained for.
@@ -220,7 +225,7 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
     }
     state = {}
     for i, m in enumerate(ckpt.mappers):
-        prefix = "" if i == 0 else f"{EXTRA_PREFIX}{i - 1}."
+        prefix = _weight_prefix(i)
         # cloned: two mappers may share tensors (a checkpoint combined with itself), which safetensors refuses
         state.update({prefix + k: v.detach().cpu().contiguous().clone() for k, v in m.state_dict().items()})
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
@@ -267,7 +272,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     layer_mappers = config.get("layer_mappers")
     mappers = []
     for i in range(1 + max(layer_mappers or [0])):
-        prefix = "" if i == 0 else f"{EXTRA_PREFIX}{i - 1}."
+        prefix = _weight_prefix(i)
         own = {k[len(prefix):]: v for k, v in state.items()
                if k.startswith(prefix) and (i > 0 or not k.startswith(EXTRA_PREFIX))}
         mapper = HybridAxialMapper(mapper_config)
