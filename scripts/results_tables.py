@@ -7,10 +7,11 @@ How to run me::
 
 Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run. Printed per file and context length
 (:func:`proxykv_hf.eval.report.interval_tables`): every method's accuracy % per keep ratio, its mean over the
-ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, and a table per
-task. ``--plot`` draws the first file's accuracy against keep ratio; ``--merge`` reads all files as one run;
-``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same samples);
-``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval.
+ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, how many of the
+samples the full cache answers fully right each method still answers, and a table per task. ``--plot`` draws the
+first file's accuracy against keep ratio; ``--merge`` reads all files as one run; ``--tasks`` keeps only the named
+tasks; ``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same
+samples); ``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates")
     p.add_argument("--merge", action="store_true", help="read all files as one run (e.g. two budgets' records)")
     p.add_argument("--methods", nargs="+", default=None, help="only these methods (the full cache is always kept)")
+    p.add_argument("--tasks", nargs="+", default=None, help="only these tasks (e.g. passkey:filler-test)")
     p.add_argument("--samples", type=int, default=None, help="only the first N samples of each task and length")
     p.add_argument("--paired", nargs=2, metavar=("A", "B"), default=None,
                    help="also print method A's mean minus method B's, paired over the same samples, with its interval")
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         [[json.loads(line) for line in open(path) if line.strip()] for path in ns.files]
     if ns.samples is not None:
         runs = [[r for r in records if r["sample"] < ns.samples] for records in runs]
+    if ns.tasks:
+        runs = [[r for r in records if r["task"] in ns.tasks] for records in runs]
     if ns.methods:
         runs = [[r for r in records if r["method"] in {"full", *ns.methods}] for records in runs]
     for i, records in enumerate(runs):

@@ -91,3 +91,21 @@ def test_batched_harness_matches_one_method_and_ratio_at_a_time(tmp_path):
                          for r in records}
         assert len(records) == 2 * (1 + 4 * 2)
     assert runs[True] == runs[False]
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_shards_split_the_samples_between_runs(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    kw = dict(methods=["full", "streaming"], keep_ratios=[0.5], tasks=["niah_single_1"], context_lengths=[300],
+              n_samples=3, max_new_tokens=3)
+    runs = {}
+    for shards, index in ((1, 0), (2, 0), (2, 1)):
+        out = run_eval(model, tok, EvalConfig(**kw, num_shards=shards, shard_index=index,
+                                              out_dir=str(tmp_path / f"{shards}-{index}")))
+        runs[shards, index] = {(r["sample"], r["method"]): r["prediction"]
+                               for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert {s for s, _ in runs[2, 0]} == {0, 2} and {s for s, _ in runs[2, 1]} == {1}
+    assert runs[1, 0] == runs[2, 0] | runs[2, 1]
+    with pytest.raises(ValueError, match="shard_index"):
+        EvalConfig(**kw, num_shards=2, shard_index=2)
+

@@ -179,6 +179,20 @@ def test_bootstrap_intervals():
     assert "5 samples (2 tasks x 2-3)" in interval_tables(uneven, "dev", n_boot=20)
 
 
+def test_full_answered_counts_only_the_samples_the_full_cache_gets_right():
+    from proxykv_hf.eval.report import full_answered, full_answered_table
+
+    # sample 2 is wrong with the full cache: kvzip's right answer there is luck and does not count
+    recs = _records({"full": [1, 1, 0], "kvzip": [1, 0, 1], "proxykv": [1, 1, 0]})
+    assert {(r["method"], r["sample"]) for r in full_answered(recs)} == {
+        ("kvzip", 0), ("kvzip", 1), ("proxykv", 0), ("proxykv", 1)}
+    lines = full_answered_table(recs, ["kvzip", "proxykv", "snapkv"], [0.3])
+    assert "On the 2 samples" in lines[1]
+    assert "| KVzip | 1/2 |" in lines and "| ProxyKV | 2/2 |" in lines and "| SnapKV |  |" in lines
+    assert full_answered_table([r for r in recs if r["method"] != "full"], ["kvzip"], [0.3]) == []
+    assert "| ProxyKV | 2/2 |" in interval_tables(recs, "dev", n_boot=20)
+
+
 def test_paired_difference():
     # b beats a on exactly one sample of four: +25 points; pairing keeps every draw's difference in [0, 100]
     recs = _records({"a": [1, 0, 1, 0], "b": [1, 1, 1, 0]})
@@ -280,6 +294,11 @@ def test_results_tables_script(tmp_path, capsys):
     assert "| KVzip | 100.0 | 100.0 [" in out and "ProxyKV / KVzip: 50%" in out
     assert module.main([str(data), "--n-boot", "50", "--paired", "kvzip", "proxykv"]) == 0
     assert "kvzip - proxykv: +33.3 points (95% interval" in capsys.readouterr().out
+    other = _records({"full": [0], "kvzip": [0]}, task="u")
+    data.write_text("\n".join(json.dumps(r) for r in records + other))
+    assert module.main([str(data), "--n-boot", "20", "--tasks", "u"]) == 0  # only task u
+    out = capsys.readouterr().out
+    assert "1 samples (1 task x 1)" in out and "On the 0 samples" in out and "ProxyKV" not in out
 
 
 def test_texts_from_tasks_keeps_to_the_train_split():

@@ -69,6 +69,9 @@ class EvalConfig:
         batched: query-agnostic protocol: share one prefill among the methods that read it the same way, and
             answer a method's uniform-budget keep ratios in one batch. False: one prefill per method and one answer
             per ratio (the same kept sets; answers may differ where floating-point order breaks a near tie).
+        num_shards, shard_index: run only the samples whose index is ``shard_index`` modulo ``num_shards`` (each
+            sample depends only on its task, seed and index, so shards run side by side in separate processes and
+            out-dirs, one torch thread each, give the records of one run between them).
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "kvzip", "snapkv", "streaming", "random"])
@@ -83,6 +86,8 @@ class EvalConfig:
     split: str | None = None
     budgets: list[str] = field(default_factory=lambda: ["uniform"])
     batched: bool = True
+    num_shards: int = 1
+    shard_index: int = 0
 
     def __post_init__(self):
         bad_budgets = [b for b in self.budgets if b not in BUDGETS]
@@ -106,6 +111,8 @@ class EvalConfig:
                 raise ValueError(f"keep ratios must be in (0, 1], got {r}")
         if self.n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {self.n_samples}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard_index must be in [0, num_shards), got {self.shard_index} of {self.num_shards}")
         for t in self.tasks:
             task_lib.task_fn(t)  # ValueError for an unknown task
 
@@ -229,11 +236,11 @@ class Harness:
                                                           "env": environment(self.model)}, indent=2, default=str))
         done = self._done()
         units = [(t, n) for t in cfg.tasks for n in cfg.context_lengths]
-        total = len(units) * cfg.n_samples * len(cfg.methods)
-        bar = tqdm(total=total, desc="eval", unit="run")
+        indices = range(cfg.shard_index, cfg.n_samples, cfg.num_shards)
+        bar = tqdm(total=len(units) * len(indices) * len(cfg.methods), desc="eval", unit="run")
         samples = {(t, n): task_lib.generate(t, cfg.n_samples, n, self.tok, cfg.seed) for t, n in units}
         with self.results_path.open("a") as log:
-            for idx in range(cfg.n_samples):  # sample by sample across tasks: a stopped run leaves every task covered
+            for idx in indices:  # sample by sample across tasks: a stopped run leaves every task covered
                 for task, length in units:
                     self._run_sample(task, length, idx, samples[task, length][idx], done, log, bar)
         bar.close()

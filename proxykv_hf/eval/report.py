@@ -274,6 +274,7 @@ def interval_tables(records: list[dict], split: str | None = None, n_boot: int =
         if b["proxykv_vs_kvzip"] is not None:
             v = b["proxykv_vs_kvzip"]
             lines += ["", f"ProxyKV / KVzip: {100 * v[0]:.0f}% (95% interval {100 * v[1]:.0f}-{100 * v[2]:.0f}%)."]
+        lines += full_answered_table(rs, methods, ratios)
         table = accuracy_table(rs)
         tasks = sorted({r["task"] for r in rs})
         lines += ["", "Per task (accuracy %, mean over the ratios; full cache at rho=1):", "",
@@ -284,6 +285,37 @@ def interval_tables(records: list[dict], split: str | None = None, n_boot: int =
                 lines.append(f"| {_NAMES.get(m, m)} | " + " | ".join(
                     f"{100 * sum(row.get(t, 0.0) for row in rows) / len(rows):.1f}" for t in tasks) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _full_right(records: list[dict]) -> set[tuple]:
+    return {(r["task"], r["context_length"], r["sample"]) for r in records if r["method"] == "full" and r["score"] >= 1}
+
+
+def full_answered(records: list[dict]) -> list[dict]:
+    """The records of the samples (task, length, sample) the full cache answers fully right (score 1), less the
+    full cache's own: on these, a method's accuracy is the share of usable answers its compression keeps, free of
+    the samples the model gets wrong with its whole cache (and of lucky answers there)."""
+    right = _full_right(records)
+    return [r for r in records if r["method"] != "full" and (r["task"], r["context_length"], r["sample"]) in right]
+
+
+def full_answered_table(records: list[dict], methods: list[str], ratios: list[float]) -> list[str]:
+    """Markdown lines: per method and keep ratio, how many of the samples the full cache answers fully right it
+    still answers fully right (``"14/16"``); no lines when the records hold no full-cache run."""
+    if not any(r["method"] == "full" for r in records):
+        return []
+    n = len(_full_right(records))
+    run = {(r["method"], r["keep_ratio"]) for r in records}
+    count = defaultdict(int)
+    for r in full_answered(records):
+        count[(r["method"], r["keep_ratio"])] += r["score"] >= 1
+    lines = ["", f"On the {n} samples the full cache answers fully right: how many each method still answers fully "
+             "right", "", "| method | " + " | ".join(f"rho={r}" for r in ratios) + " |",
+             "|---|" + "---|" * len(ratios)]
+    for m in methods:
+        cells = [f"{count[(m, r)]}/{n}" if (m, r) in run else "" for r in ratios]
+        lines.append(f"| {_NAMES.get(m, m)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_report(out_dir: str | Path, held_out: list[str] | tuple[str, ...] = ()) -> str:
