@@ -108,4 +108,3 @@ def test_shards_split_the_samples_between_runs(tmp_path):
     assert runs[1, 0] == runs[2, 0] | runs[2, 1]
     with pytest.raises(ValueError, match="shard_index"):
         EvalConfig(**kw, num_shards=2, shard_index=2)
-
