@@ -37,6 +37,8 @@ def test_deterministic_per_seed(task):
     if task not in ("cwe", "fwe"):  # these have no needle depth
         assert len({s.meta["depth"] for s in a}) == 3
     assert len({tuple(s.answers) for s in a}) == 3
+    picked = generate(task, 3, 1500, TOK, seed=7, indices=[2, 0])
+    assert [s.to_dict() for s in picked] == [a[2].to_dict(), a[0].to_dict()], "sample i alone is sample i of all"
 
 
 @pytest.mark.parametrize("task", ALL)
@@ -133,6 +135,8 @@ def test_generate_errors():
         generate("niah_single_1", 1, 50, TOK)
     with pytest.raises(ValueError, match="n_samples"):
         generate("vt", -1, 1000, TOK)
+    with pytest.raises(ValueError, match="indices"):
+        generate("vt", 2, 1000, TOK, indices=[0, 2])
 
 
 def test_any_tokenizer_shape():

@@ -238,7 +238,8 @@ class Harness:
         units = [(t, n) for t in cfg.tasks for n in cfg.context_lengths]
         indices = range(cfg.shard_index, cfg.n_samples, cfg.num_shards)
         bar = tqdm(total=len(units) * len(indices) * len(cfg.methods), desc="eval", unit="run")
-        samples = {(t, n): task_lib.generate(t, cfg.n_samples, n, self.tok, cfg.seed) for t, n in units}
+        samples = {(t, n): dict(zip(indices, task_lib.generate(t, cfg.n_samples, n, self.tok, cfg.seed,
+                                                                 indices=indices))) for t, n in units}
         with self.results_path.open("a") as log:
             for idx in indices:  # sample by sample across tasks: a stopped run leaves every task covered
                 for task, length in units:

@@ -20,7 +20,7 @@ import functools
 import logging
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._text import WORDS, _essay_unit, _noise_unit, _number, _pseudo_word, _unique, _uuid, _word_key, qa_document
@@ -54,7 +54,8 @@ def token_counter(tokenizer: Any) -> Callable[[str], int]:
     raise ValueError(f"tokenizer must have encode() or be callable, got {type(tokenizer).__name__}")
 
 
-def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed: int = 0) -> list[Sample]:
+def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed: int = 0, *,
+             indices: Iterable[int] | None = None) -> list[Sample]:
     """Generate ``n_samples`` samples of ``task`` whose contexts hold about ``target_tokens`` tokens.
 
     Sample ``i`` depends only on ``(task, seed, i, target_tokens, tokenizer)``; its needles and questions depend
@@ -67,22 +68,27 @@ def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed
         target_tokens: context length in tokens of ``tokenizer`` (the largest context that fits is built).
         tokenizer: a HF tokenizer, or anything with ``encode(text)``/``__call__(text)`` returning ids.
         seed: the random seed.
+        indices: only the samples of these indices, in this order (each in ``range(n_samples)``); all by default.
 
     Raises:
-        ValueError: an unknown task, a bad count, or a target too short for the task's fixed parts.
+        ValueError: an unknown task, a bad count or index, or a target too short for the task's fixed parts.
     """
     make = task_fn(task)
     if not isinstance(n_samples, int) or n_samples < 0:
         raise ValueError(f"n_samples must be an int >= 0, got {n_samples!r}")
     if not isinstance(target_tokens, int) or target_tokens < 1:
         raise ValueError(f"target_tokens must be an int >= 1, got {target_tokens!r}")
+    indices = range(n_samples) if indices is None else list(indices)
+    bad = [i for i in indices if not (isinstance(i, int) and 0 <= i < n_samples)]
+    if bad:
+        raise ValueError(f"indices must be ints in [0, {n_samples}), got {bad[:3]}")
     from tqdm.auto import tqdm
 
     count = token_counter(tokenizer)
     offset = random.Random(f"proxykv-depth:{task}:{seed}").random()
     samples = []
-    big = n_samples * target_tokens >= 200_000
-    for index in tqdm(range(n_samples), desc=f"generating {task}", leave=False, disable=None if big else True):
+    big = len(indices) * target_tokens >= 200_000
+    for index in tqdm(indices, desc=f"generating {task}", leave=False, disable=None if big else True):
         request = TaskRequest(rng=random.Random(f"proxykv-task:{task}:{seed}:{index}"), count_tokens=count,
                               target_tokens=target_tokens, depth=(offset + index * _GOLDEN) % 1.0)
         sample = make(request)
