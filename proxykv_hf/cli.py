@@ -13,6 +13,10 @@
 Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
 a local directory, or the bundled default). Options that mirror a config dataclass are generated from it, their
 help from its ``Attributes:`` docstring section, so each default and description lives in one place.
+
+A user error (a value out of range, a file or directory that is not there) ends the command with one line
+``proxykv <command>: error: ...`` on stderr and exit status 2, as argparse does for the options it checks when it
+reads the command line; ``-v`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -24,10 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-from .cli_helpers import (BUNDLED_MAPPER, add_dataclass_args, dtype_of, field_docs, field_overrides, from_args, load,
-                          mapper_for, mapper_overrides)
+from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, default_device,
+                          device_arg, dtype_of, field_docs, field_overrides, from_args, keep_ratio_arg, load,
+                          mapper_for, mapper_overrides, out_dir_arg, text_file_arg)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
@@ -37,10 +40,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, local directory, or the bundled default")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and tokenizer (for smoke tests)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the model's dtype")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the model runs (default: cuda when there is one)")
-    p.add_argument("--mapper", default=None, help="ProxyKV mapper checkpoint (default: the bundled one)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the model's dtype (--tiny too)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda when there is one; cpu for "
+                        "--tiny)")
+    p.add_argument("--mapper", type=checkpoint_arg, default=None,
+                   help="ProxyKV mapper checkpoint: a directory or a Hub id (default: the bundled one)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, for the scorers it registers (proxykv_hf.scorers.register)")
 
@@ -67,7 +73,7 @@ def cmd_generate(ns) -> int:
         pipe = ProxyKVPipeline(model, tok, scorer, keep_ratio=1.0 if scorer is None else ns.keep_ratio)
         prompt = Path(ns.prompt_file).read_text() if ns.prompt_file else ns.prompt
         if prompt is None:
-            raise SystemExit("give --prompt or --prompt-file")
+            raise ValueError("give --prompt or --prompt-file")
         if ns.question:
             print(pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
         else:
@@ -109,7 +115,7 @@ def cmd_build_data(ns) -> int:
     if ns.files:
         texts += list(texts_from_files(ns.files))
     if not texts:
-        raise SystemExit("give --tasks and/or --files")
+        raise ValueError("give --tasks and/or --files")
     proxy = None
     if cfg.proxy_kind == "model":
         from .models import load_model
@@ -166,14 +172,11 @@ def cmd_refit_direct(ns) -> int:
 def cmd_combine_mappers(ns) -> int:
     from .hub import combine_checkpoints, interpolate_checkpoints, load_checkpoint, save_checkpoint
 
-    try:
-        base, other = load_checkpoint(ns.base), load_checkpoint(ns.other)
-        if ns.layers is not None:
-            ckpt = combine_checkpoints(base, other, ns.layers)
-        else:
-            ckpt = interpolate_checkpoints(base, other, ns.weight)
-    except ValueError as err:
-        raise SystemExit(f"combine-mappers: {err}") from err
+    base, other = load_checkpoint(ns.base), load_checkpoint(ns.other)
+    if ns.layers is not None:
+        ckpt = combine_checkpoints(base, other, ns.layers)
+    else:
+        ckpt = interpolate_checkpoints(base, other, ns.weight)
     save_checkpoint(ckpt, ns.out)
     print(json.dumps({"out": ns.out, "layer_mappers": ckpt.layer_mappers, "weight": ns.weight}))
     return 0
@@ -192,6 +195,14 @@ def cmd_demo(ns) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ parser
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors one line ``proxykv <command>: error: ...`` (status 2) without the usage block;
+    ``--help`` shows the usage."""
+
+    def error(self, message: str):
+        raise UsageError(self.prog.removeprefix("proxykv").strip() or None, message).report()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench.run import BenchConfig
     from .eval.harness import EvalConfig
@@ -201,15 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
     from .train.loop import TrainConfig
 
     METHODS = registry.names()
-    parser = argparse.ArgumentParser(prog="proxykv", description="ProxyKV KV-cache pruning for transformers")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = _Parser(prog="proxykv", description="ProxyKV KV-cache pruning for transformers")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress; on a user error, show the traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long needle prompt with each method")
     _common(p)
     _pool_arg(p)
     p.add_argument("--context-tokens", type=int, default=4096, help="length of the needle prompt")
-    p.add_argument("--keep-ratio", type=float, default=0.3, help="share of the prompt's K/V each method keeps")
+    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3,
+                   help="share of the prompt's K/V each method keeps, in (0, 1]")
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
     p.add_argument("--task", default="passkey:filler-test",
                    help="the prompt's task (default: the test split's pass key in plain sentences)")
@@ -221,9 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _pool_arg(p)
     p.add_argument("--method", default="proxykv", choices=METHODS)
-    p.add_argument("--keep-ratio", type=float, default=0.3, help="share of the prompt's K/V kept")
+    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3, help="share of the prompt's K/V kept, in (0, 1]")
     p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
-    p.add_argument("--prompt-file", help="a text file holding the prompt")
+    p.add_argument("--prompt-file", type=text_file_arg,
+                   help="a text file holding the prompt (read instead of --prompt)")
     p.add_argument("--question", nargs="+", help="questions asked on the compressed prompt (query-agnostic)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap")
     p.set_defaults(fn=cmd_generate)
@@ -282,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("refit-direct", help="refit a trained mapper's direct path, the rest frozen, every layer a step")
     add_dataclass_args(p, DirectFitConfig, skip=("loss",))
-    p.add_argument("--mapper", required=True, help="the trained mapper (directory or Hub id), direct_path on")
+    p.add_argument("--mapper", type=checkpoint_arg, required=True,
+                   help="the trained mapper (directory or Hub id), direct_path on")
     p.add_argument("--data", required=True, help="a dataset directory from build-data for its proxy and target")
     p.add_argument("--out", required=True, help="directory for the refitted checkpoint and refit_log.jsonl")
     p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE", help="override LossConfig fields")
@@ -290,44 +305,74 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("combine-mappers", help="one checkpoint from two mappers: some target layers scored by the "
                                                "other (--layers), or the two mappers' weights averaged (--weight)")
-    p.add_argument("base", help="the checkpoint (directory or Hub id) that scores every other layer")
-    p.add_argument("other", help="a checkpoint of the same proxy, target and mapper config (e.g. a fine-tune of base)")
+    p.add_argument("base", type=checkpoint_arg,
+                   help="the checkpoint (directory or Hub id) that scores every other layer")
+    p.add_argument("other", type=checkpoint_arg,
+                   help="a checkpoint of the same proxy, target and mapper config (e.g. a fine-tune of base)")
     how = p.add_mutually_exclusive_group(required=True)
     how.add_argument("--layers", type=int, nargs="+", help="0-based target layers that other scores")
     how.add_argument("--weight", type=float,
                      help="one mapper with weights (1 - W) * base + W * other, W in [0, 1]")
-    p.add_argument("--out", required=True, help="directory of the combined checkpoint")
+    p.add_argument("--out", type=out_dir_arg, required=True, help="directory of the combined checkpoint")
     p.set_defaults(fn=cmd_combine_mappers)
 
-    p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method")
+    p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method",
+                       description="Time to first token, peak memory and decode speed per method. Prints a table, "
+                                   "then the whole summary as one JSON line on stdout (the interface for scripts: "
+                                   "read the last line); --out also writes it to bench.json.")
     _common(p)
     _pool_arg(p)
     add_dataclass_args(p, BenchConfig, choices={"methods": METHODS})
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
-    p.add_argument("--proxy-device", default=None, help="device of the proxy and mapper (e.g. cuda:1); default: "
-                   "the target's")
+    p.add_argument("--proxy-device", type=device_arg, default=None,
+                   help="device of the proxy and mapper (e.g. cuda:1); default: the target's")
     p.add_argument("--compile-mapper", action="store_true",
                    help="ProxyKV: compile the mapper's time encoder with torch.compile (warm-up runs pay for it)")
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="with --shape: fields of the random paper-preset mapper (e.g. stride=2048: encoder windows "
                         "side by side, as the bundled mapper runs them)")
-    p.add_argument("--out", default=None, help="directory for the table, plot and JSON")
+    p.add_argument("--out", type=out_dir_arg, default=None,
+                   help="directory for the table (bench.md), plot (bench.png) and JSON summary (bench.json)")
     p.set_defaults(fn=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``proxykv`` subcommand.
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        The subcommand's exit status (0).
+
+    Raises:
+        SystemExit: status 2 for a user error: argparse's own for options it checks, else :class:`UsageError`
+            after one line ``proxykv <command>: error: ...`` on stderr (for ``ValueError`` and the missing-file
+            errors of :data:`~proxykv_hf.cli_helpers.USER_ERRORS`; with ``-v`` they propagate with their traceback).
+    """
     from .scorers.registry import load_plugins
 
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(prog="proxykv", add_help=False)
     pre.add_argument("--plugin", action="append", default=[])
+    pre.add_argument("-v", "--verbose", action="store_true")
+    known = pre.parse_known_args(argv)[0]
     try:
-        load_plugins(pre.parse_known_args(argv)[0].plugin)  # before the parser lists the registered methods
+        load_plugins(known.plugin)  # before the parser lists the registered methods
     except ValueError as err:
-        raise SystemExit(str(err)) from err
+        if known.verbose:
+            raise
+        raise UsageError(None, str(err)).report() from err
     ns = build_parser().parse_args(argv)
+    if getattr(ns, "device", "") is None:
+        ns.device = default_device(ns)
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    return ns.fn(ns)
+    try:
+        return ns.fn(ns)
+    except USER_ERRORS as err:
+        if ns.verbose:
+            raise
+        raise UsageError(ns.command, str(err)).report() from err
 
 
 if __name__ == "__main__":

@@ -1,22 +1,98 @@
 """Helpers shared by the ``proxykv`` subcommands (:mod:`proxykv_hf.cli`, :mod:`proxykv_hf.bench.cli`,
-:mod:`proxykv_hf.demo`): options generated from config dataclasses, and loading what ``--tiny`` / ``--model`` /
-``--mapper`` name."""
+:mod:`proxykv_hf.demo`): options generated from config dataclasses, option values checked when the command line is
+read, the exit for a user error, and loading what ``--tiny`` / ``--model`` / ``--mapper`` name."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import inspect
+import os
 import re
+import sys
 import typing
 
 import torch
 
 from ._fields import DTYPES
-from .hub import BUNDLED_DIR, BUNDLED_MAPPER as _BUNDLED_NAME
+from .hub import BUNDLED_DIR, BUNDLED_MAPPER as _BUNDLED_NAME, looks_like_local_path
+from .selection import check_keep_ratio
 
 BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
 """The directory of the mapper shipped with the package (for the bundled SmolLM2 target)."""
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
+"""The exception types a subcommand raises for bad input (a value out of range, a path that is not there): ``main``
+turns them into :class:`UsageError`; anything else is a bug and keeps its traceback."""
+
+
+class UsageError(SystemExit):
+    """A user error on the command line, exit status 2 like argparse's own.
+
+    :meth:`report` prints the one line ``proxykv <command>: error: <message>`` to stderr; ``str()`` gives
+    ``<command>: <message>``.
+    """
+
+    def __init__(self, command: str | None, message: str):
+        super().__init__(2)
+        self.command, self.message = command, message
+
+    def __str__(self) -> str:
+        return f"{self.command}: {self.message}" if self.command else self.message
+
+    def report(self) -> "UsageError":
+        prog = f"proxykv {self.command}" if self.command else "proxykv"
+        print(f"{prog}: error: {self.message}", file=sys.stderr)
+        return self
+
+
+# ------------------------------------------------------------------------------------------------ option types
+def keep_ratio_arg(text: str) -> float:
+    """``--keep-ratio``: a number in (0, 1]."""
+    try:
+        return check_keep_ratio(float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"keep_ratio must be a number in (0, 1], got {text!r}") from err
+
+
+def device_arg(text: str) -> str:
+    """``--device``: anything ``torch.device`` reads (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ``meta``); a CUDA
+    device only where there is one. Returned as given."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is available here")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def text_file_arg(text: str) -> str:
+    """A file that must exist (``--prompt-file``)."""
+    if not os.path.isfile(os.path.expanduser(text)):
+        what = "is a directory, not a file" if os.path.isdir(os.path.expanduser(text)) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text!r} {what}")
+    return os.path.expanduser(text)
+
+
+def checkpoint_arg(text: str) -> str:
+    """A mapper checkpoint: a directory, a bundled checkpoint's name or a Hub id. A value that can only be a local
+    path (:func:`~proxykv_hf.hub.looks_like_local_path`) must be an existing directory."""
+    path = os.path.expanduser(text)
+    if looks_like_local_path(text) and not os.path.isdir(path):
+        what = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
+        raise argparse.ArgumentTypeError(f"mapper checkpoint directory {text!r} {what}")
+    return text
+
+
+def out_dir_arg(text: str) -> str:
+    """An output directory: new, or an existing directory (its files are overwritten), never an existing file."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is an existing file; give a directory for the output")
+    return text
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -84,15 +160,22 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def default_device(ns) -> str:
+    """The device without ``--device``: ``cpu`` for ``--tiny`` (a smoke test), else ``cuda`` when there is one."""
+    return "cpu" if getattr(ns, "tiny", False) or not torch.cuda.is_available() else "cuda"
+
+
 def load(ns) -> tuple:
-    """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default."""
+    """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default, in ``--dtype`` on ``--device``
+    (:func:`default_device` where that is None)."""
+    device = getattr(ns, "device", None) or default_device(ns)
     if getattr(ns, "tiny", False):
         from .testing import tiny_model, tiny_tokenizer
 
-        return tiny_model("llama", num_hidden_layers=4), tiny_tokenizer()
+        return tiny_model("llama", num_hidden_layers=4, dtype=dtype_of(ns.dtype), device=device), tiny_tokenizer()
     from .models import load_model_and_tokenizer
 
-    return load_model_and_tokenizer(ns.model, dtype=dtype_of(ns.dtype), device=ns.device)
+    return load_model_and_tokenizer(ns.model, dtype=dtype_of(ns.dtype), device=device)
 
 
 def tiny_mapper_checkpoint(model, directory: str) -> str:
@@ -123,13 +206,17 @@ def mapper_for(ns, model, tmp: str) -> str | None:
 
 
 def field_overrides(cls, items: list[str], flag: str) -> dict:
-    """``["FIELD=VALUE", ...]`` -> typed overrides of the simple (bool, int, float, str) fields of ``cls``."""
+    """``["FIELD=VALUE", ...]`` -> typed overrides of the simple (bool, int, float, str) fields of ``cls``.
+
+    Raises:
+        ValueError: an unknown field or a value of the wrong type, quoting ``flag`` and the item.
+    """
     types = {f.name: f.type for f in dataclasses.fields(cls)}
     out: dict = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in types:
-            raise SystemExit(f"{flag} expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
+            raise ValueError(f"{flag} expects FIELD=VALUE with FIELD one of {sorted(types)}, got {item!r}")
         kind = types[key] if isinstance(types[key], str) else types[key].__name__
         try:
             if kind == "bool":
@@ -139,7 +226,7 @@ def field_overrides(cls, items: list[str], flag: str) -> dict:
             else:
                 out[key] = {"int": int, "float": float}.get(kind, str)(value)
         except ValueError:
-            raise SystemExit(f"{flag} {key}: {value!r} is not a valid {kind}") from None
+            raise ValueError(f"{flag} {key}: {value!r} is not a valid {kind}") from None
     return out
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .mapper import HybridAxialMapper, MapperConfig
@@ -166,17 +167,32 @@ class Checkpoint:
         return out
 
     def check_target(self, config) -> None:
-        """Raise if a target model's config does not match the one the mapper was trained for."""
+        """Raise if a target model's config does not match the one the mapper was trained for.
+
+        The mapper scores ``num_layers`` full-attention layers of ``num_kv_heads`` KV heads; a proxy that runs the
+        target's own attention (kind ``"self"`` or ``"layers"``) also hands it features of each query head, so the
+        model's query heads must then match the proxy's ``num_heads`` too.
+
+        Raises:
+            ValueError: naming the mapper's and the model's layers and heads.
+        """
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         types = getattr(text, "layer_types", None)
         n_full = sum(t == "full_attention" for t in types) if types else text.num_hidden_layers
-        kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
         got = (n_full, kv)
         want = (self.target.num_layers, self.target.num_kv_heads)
         if got != want:
             raise ValueError(
                 f"mapper was trained for a target with {want[0]} full-attention layers and {want[1]} KV heads "
                 f"({self.target.model_id}), but the model has {got[0]} layers and {got[1]} KV heads"
+            )
+        if self.proxy.kind in ("self", "layers") and heads != self.proxy.num_heads:
+            raise ValueError(
+                f"mapper reads features of {self.proxy.num_heads} query heads per layer from the model's own "
+                f"attention ({self.proxy.kind!r} proxy, trained on {self.target.model_id}), but the model has "
+                f"{heads} query heads"
             )
 
 
@@ -234,17 +250,44 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
     return path
 
 
+def looks_like_local_path(name_or_path: str | os.PathLike) -> bool:
+    """Whether ``name_or_path`` can only mean a local path, never a Hub repository id.
+
+    A Hub id is ``"name"`` or ``"namespace/name"``, its parts starting with a letter, digit or underscore. So a
+    :class:`os.PathLike` (e.g. a :class:`~pathlib.Path`) is a path, and so is a string that is absolute, starts with
+    ``"."`` (``"./x"``, ``"../x"``) or ``"~"``, holds a separator other than ``"/"`` (``os.sep`` / ``os.altsep``,
+    e.g. ``"\\"`` on Windows), or holds more than one ``"/"``. Anything else (``"org/mapper"``, ``"runs"``) may be
+    either, and is looked up as a directory first, then on the Hub.
+    """
+    if not isinstance(name_or_path, str):
+        return True
+    name = name_or_path
+    seps = {s for s in (os.sep, os.altsep) if s and s != "/"}
+    return (os.path.isabs(name) or name.startswith((".", "~")) or any(s in name for s in seps)
+            or name.count("/") > 1)
+
+
 def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, cache_dir=None, token=None,
             local_files_only: bool | None = None) -> Path:
     """A local directory, a checkpoint bundled with the package (by name, e.g. ``"proxykv-smollm2-135m-instruct"``),
-    or a Hub repository downloaded through ``huggingface_hub`` (``HF_HUB_OFFLINE`` honoured)."""
-    path = Path(name_or_path)
+    or a Hub repository downloaded through ``huggingface_hub`` (``HF_HUB_OFFLINE`` honoured).
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` looks like a local path (:func:`looks_like_local_path`) and no such
+            directory exists; it is not tried as a Hub id.
+        ValueError: ``name_or_path`` is a file, not a directory.
+        FileNotFoundError: neither a directory nor a Hub repository (offline: one in the HF cache) of that name.
+        OSError: a Hub repository that cannot be downloaded for another reason (network).
+    """
+    path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     if (BUNDLED_DIR / str(name_or_path)).is_dir():  # a checkpoint shipped inside the package, by name
         return BUNDLED_DIR / str(name_or_path)
     if path.exists():
-        raise ValueError(f"{name_or_path!r} is a file; a mapper checkpoint is a directory or a Hub repository id")
+        raise ValueError(f"{str(name_or_path)!r} is a file; a mapper checkpoint is a directory or a Hub repository id")
+    if looks_like_local_path(name_or_path):
+        raise FileNotFoundError(f"mapper checkpoint directory {str(path)!r} does not exist")
     from huggingface_hub import constants, snapshot_download
 
     offline = bool(local_files_only or constants.HF_HUB_OFFLINE)
@@ -252,23 +295,58 @@ def resolve(name_or_path: str | os.PathLike, *, revision: str | None = None, cac
         local = snapshot_download(str(name_or_path), revision=revision, cache_dir=cache_dir, token=token,
                                   local_files_only=offline, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, CARD_NAME])
     except Exception as err:  # huggingface_hub raises several types for "not there"
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
         hint = " (offline mode: it must already be in the HF cache)" if offline else ""
-        raise OSError(f"could not find the mapper checkpoint {str(name_or_path)!r}{hint}: {err}") from err
+        # not there (offline: not cached), or not a valid repo id: FileNotFoundError; the rest (network): OSError
+        missing = isinstance(err, (FileNotFoundError, ValueError, RepositoryNotFoundError, RevisionNotFoundError))
+        raise (FileNotFoundError if missing else OSError)(
+            f"could not find the mapper checkpoint {str(name_or_path)!r} as a local directory or a Hub "
+            f"repository{hint}: {err}") from err
     return Path(local)
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torch.device = "cpu",
                     **hub_kwargs) -> Checkpoint:
-    """Load a checkpoint written by :func:`save_checkpoint` from a directory or a Hub id."""
+    """Load a checkpoint written by :func:`save_checkpoint` from a directory or a Hub id.
+
+    Args:
+        name_or_path: a checkpoint directory, the name of a bundled checkpoint, or a Hub repository id
+            (:func:`resolve`; a string that can only be a path, :func:`looks_like_local_path`, is never sent to
+            the Hub).
+        map_location: device of the loaded mappers.
+        **hub_kwargs: ``revision``, ``cache_dir``, ``token``, ``local_files_only`` for :func:`resolve`.
+
+    Raises:
+        FileNotFoundError: a local path that does not exist, or a Hub id that cannot be found.
+        OSError: a directory without the checkpoint files, or a Hub repository that cannot be downloaded.
+        ValueError: a file that cannot be read as what it should be (malformed ``proxykv_config.json``, corrupt
+            ``model.safetensors``, weights that do not fit the config); the message names the file.
+    """
     path = resolve(name_or_path, **hub_kwargs)
     missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (path / n).is_file()]
     if missing:
         raise OSError(f"{path} is not a ProxyKV mapper checkpoint: missing {', '.join(missing)}")
-    config = json.loads((path / CONFIG_NAME).read_text())
+    config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{config_file} is not valid JSON ({err}); the checkpoint is damaged") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
     if config.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported checkpoint format_version {config.get('format_version')!r} in {path}")
-    mapper_config = MapperConfig.from_dict(config["mapper"])
-    state = load_file(str(path / WEIGHTS_NAME), device=str(map_location))
+        raise ValueError(f"unsupported checkpoint format_version {config.get('format_version')!r} in {config_file}")
+    try:
+        mapper_config = MapperConfig.from_dict(config["mapper"])
+        proxy = ProxySpec.from_dict(config["proxy"])
+        target = TargetSpec(**config["target"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{config_file} is malformed ({type(err).__name__}: {err})") from err
+    try:
+        state = load_file(str(weights_file), device=str(map_location))
+    except SafetensorError as err:
+        raise ValueError(f"{weights_file} is not a readable safetensors file ({err}); the checkpoint is "
+                         "damaged") from err
     layer_mappers = config.get("layer_mappers")
     mappers = []
     for i in range(1 + max(layer_mappers or [0])):
@@ -276,10 +354,13 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
         own = {k[len(prefix):]: v for k, v in state.items()
                if k.startswith(prefix) and (i > 0 or not k.startswith(EXTRA_PREFIX))}
         mapper = HybridAxialMapper(mapper_config)
-        mapper.load_state_dict(own, strict=True)
+        try:
+            mapper.load_state_dict(own, strict=True)
+        except RuntimeError as err:  # missing / unexpected keys, wrong shapes
+            raise ValueError(f"the weights in {weights_file} do not fit the mapper config in {config_file}: "
+                             f"{err}") from err
         mappers.append(mapper.to(map_location).eval())
-    return Checkpoint(mapper=mappers[0], proxy=ProxySpec.from_dict(config["proxy"]),
-                      target=TargetSpec(**config["target"]), training=config.get("training", {}),
+    return Checkpoint(mapper=mappers[0], proxy=proxy, target=target, training=config.get("training", {}),
                       metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1),
                       layer_mix=config.get("layer_mix", 0.0), extra_mappers=mappers[1:], layer_mappers=layer_mappers)
 

@@ -16,6 +16,7 @@ Rules (see ``docs/design.md``):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from numbers import Real
 
 import torch
@@ -23,16 +24,51 @@ import torch.nn.functional as F
 
 
 def check_keep_ratio(keep_ratio: object) -> float:
-    """Validate ``keep_ratio`` and return it as a float.
+    """Validate ``keep_ratio`` and return it as a Python float.
+
+    Accepts a Python or numpy real number or a 0-d (non-bool) torch tensor. A value held in a narrower float type
+    than a Python float (numpy ``float32`` / ``float16``, a ``float32`` / ``float16`` / ``bfloat16`` tensor) becomes
+    the shortest decimal that rounds to the same value in that type, so ``np.float32(0.3)`` and
+    ``torch.tensor(0.3)`` mean 0.3 (``0.30000001192...`` would keep 4 of 10 tokens instead of 3).
 
     Raises:
-        ValueError: if it is not a real number in (0, 1].
+        ValueError: if it is not such a number, or not in (0, 1].
     """
+    value = _real_value(keep_ratio)
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    return value
+
+
+def _real_value(keep_ratio: object) -> float:
+    """``keep_ratio`` as a float, narrow floats read as their shortest decimal (:func:`check_keep_ratio`)."""
+    if isinstance(keep_ratio, torch.Tensor):
+        if keep_ratio.dim() != 0 or keep_ratio.dtype == torch.bool or keep_ratio.is_complex() or keep_ratio.is_meta:
+            raise ValueError(f"keep_ratio must be a number in (0, 1] (a Python or numpy scalar, or a 0-d real "
+                             f"tensor), got a tensor of shape {tuple(keep_ratio.shape)} and dtype {keep_ratio.dtype}: "
+                             f"{keep_ratio!r}")
+        held = keep_ratio.detach().cpu()
+        value = float(held.item())
+        if held.is_floating_point() and held.dtype != torch.float64:
+            value = _shortest_decimal(value, lambda c: bool(torch.tensor(c, dtype=held.dtype) == held))
+        return value
     if isinstance(keep_ratio, bool) or not isinstance(keep_ratio, Real):
         raise ValueError(f"keep_ratio must be a number in (0, 1], got {keep_ratio!r}")
     value = float(keep_ratio)
-    if not (0.0 < value <= 1.0) or math.isnan(value):
-        raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    dtype = getattr(keep_ratio, "dtype", None)  # numpy scalars: np.float32(0.3) is 0.30000001192092896 as a float
+    if getattr(dtype, "kind", None) == "f" and getattr(dtype, "itemsize", 8) < 8:
+        value = _shortest_decimal(value, lambda c: bool(type(keep_ratio)(c) == keep_ratio))
+    return value
+
+
+def _shortest_decimal(value: float, same: Callable[[float], bool]) -> float:
+    """The decimal of ``value`` with the fewest significant digits that ``same`` maps to the same narrow float."""
+    if not math.isfinite(value):
+        return value
+    for digits in range(1, 18):
+        candidate = float(f"{value:.{digits}g}")
+        if same(candidate):
+            return candidate
     return value
 
 

@@ -75,11 +75,14 @@ def tiny_config(family: str = "llama", *, num_hidden_layers: int = 3, num_attent
 
 
 def tiny_model(family: str = "llama", *, seed: int = 0, attn_implementation: str = "sdpa",
-               dtype: torch.dtype = torch.float32, **config_overrides):
-    """A tiny random causal LM of ``family`` in eval mode (deterministic for a given ``seed``)."""
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", **config_overrides):
+    """A tiny random causal LM of ``family`` in eval mode (deterministic for a given ``seed``: the weights are drawn
+    on the CPU, then moved to ``device``)."""
     cfg = tiny_config(family, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    if torch.device(device).type != "cpu":
+        model = model.to(device)
     return model.eval()
 
 

@@ -140,7 +140,7 @@ def test_bench_mapper_config_sets_the_shape_mapper_only():
     assert config.num_target_layers == 32 and config.num_proxy_layers == 16  # the shape's fields stay
     with pytest.raises(SystemExit, match="random mapper of --shape"):
         main(["bench", "--tiny", "--methods", "full", "--context-lengths", "64", "--mapper-config", "stride=64"])
-    with pytest.raises(SystemExit, match="--mapper-config expects"):
+    with pytest.raises(ValueError, match="--mapper-config expects"):
         shape_mapper_overrides(argparse.Namespace(shape="llama-3.1-8b", mapper_config=["strides=2048"]))
 
 
@@ -298,8 +298,9 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path, monkeypatch):
     # ProxyKV with its scores pooled: the run's config records the setting
     main(common + ["--methods", "proxykv", "--pool-kernel", "3"])
     assert json.loads((out / "config.json").read_text())["options"]["pool_kernel"] == 3
-    with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
+    with pytest.raises(SystemExit, match="pool_kernel must be a positive odd int") as info:  # a user error: status 2
         main(common + ["--methods", "proxykv", "--pool-kernel", "2"])
+    assert info.value.code == 2
 
 
 def test_eval_report_splits_held_out_families(tmp_path):

@@ -360,3 +360,14 @@ def test_fused_scores_only_where_they_are_exact(tok):
     assert record(torch.float32, [16, 16]).fusable
     assert not record(torch.bfloat16, [16, 16]).fusable
     assert not record(torch.float32, [16, 10]).fusable
+
+
+@pytest.mark.smollm
+def test_bundled_model_finds_its_own_tokenizer(smollm):
+    """The bundled SmolLM2's config names it "smollm2-135m-instruct": KVzipScorer() resolves that to the converted
+    directory's tokenizer, offline, and scores as with the tokenizer passed."""
+    model, tok = smollm
+    assert model.config.name_or_path == "smollm2-135m-instruct"
+    ids = torch.tensor([tok.encode("The sky is blue. The grass is green. Roses are red. " * 2)])
+    own = kvzip_scores(model, ids, chunk_size=64)
+    torch.testing.assert_close(own, kvzip_scores(model, ids, tokenizer=tok, chunk_size=64))

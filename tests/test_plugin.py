@@ -50,3 +50,35 @@ def test_plugin_through_generate_eval_and_bench(tmp_path, toy, capsys):
 def test_unknown_plugin_is_a_clear_error():
     with pytest.raises(SystemExit, match="could not import scorer plugin 'no_such_module'"):
         main(["eval", "--tiny", "--plugin", "no_such_module", "--methods", "full"])
+
+
+def test_unknown_plugin_exits_with_status_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--tiny", "--plugin", "no_such_module", "--methods", "full"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("proxykv: error: could not import scorer plugin")
+
+
+def test_plugin_is_found_in_the_working_directory(tmp_path, monkeypatch):
+    """The installed ``proxykv`` script has no working directory on sys.path; ``--plugin mymethods`` still imports
+    ./mymethods.py (and leaves sys.path as it was)."""
+    import sys
+
+    name = "cwd_plugin_for_test"
+    (tmp_path / f"{name}.py").write_text(
+        "from proxykv_hf.scorers import register\n"
+        "from proxykv_hf.scorers.random import RandomScorer\n"
+        f"register({name!r}, lambda ctx: RandomScorer(), 'from the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+    path = [p for p in sys.path if p not in ("", ".", str(tmp_path))]  # as under the console script
+    monkeypatch.setattr(sys, "path", list(path))
+    try:
+        registry.load_plugins([name])
+        assert name in registry.names() and sys.path == path
+        with pytest.raises(ValueError, match="could not import scorer plugin"):
+            registry.load_plugins([name + "_missing"])
+        assert sys.path == path
+    finally:
+        sys.modules.pop(name, None)
+        if name in registry.names():
+            registry.unregister(name)

@@ -264,7 +264,7 @@ def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
     assert {r["method"] for r in records} == {"full", "attn_max", "attn_sum", "attn_novelty"}
     assert json.loads((out / "config.json").read_text())["config"]["split"] == "dev"
     assert "Split dev" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="only train corpora"):
+    with pytest.raises(SystemExit, match="only train corpora"):  # the ValueError, as a command-line error
         main(["build-data", "--tiny", "--tasks", "needle:filler-dev", "--n-per-task", "1", "--tokens", "200",
               "--out", str(tmp_path / "data")])
     with pytest.raises(SystemExit):

@@ -2,12 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.selection import keep_counts, select_topk, smooth_scores
+from proxykv_hf.selection import check_keep_ratio, keep_counts, select_topk, smooth_scores
 
 
 @st.composite
@@ -143,3 +144,28 @@ def test_layer_mixer_adds_the_running_mean_of_standardised_layers_and_pads_like_
     for bad in (-0.5, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match="layer_mix must be a finite number >= 0"):
             LayerMixer(bad)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.float32(0.3), lambda: np.float16(0.3), lambda: np.float64(0.3), lambda: torch.tensor(0.3),
+    lambda: torch.tensor(0.3, dtype=torch.float16), lambda: torch.tensor(0.3, dtype=torch.bfloat16),
+    lambda: torch.tensor(0.3, dtype=torch.float64),
+], ids=["np32", "np16", "np64", "t32", "t16", "tbf16", "t64"])
+def test_numpy_and_tensor_keep_ratios_mean_their_short_decimal(make):
+    """float32 0.3 is 0.30000001...: read as 0.3, it keeps 3 of 10 tokens, not 4."""
+    rho = make()
+    assert check_keep_ratio(rho) == 0.3
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    idx, _ = select_topk(torch.arange(10.0).view(1, 1, 10), rho, valid)
+    assert idx.tolist() == [[[7, 8, 9]]]
+
+
+def test_keep_ratio_integers_and_bad_values():
+    assert check_keep_ratio(np.int64(1)) == 1.0 and check_keep_ratio(torch.tensor(1)) == 1.0
+    assert check_keep_ratio(np.float32(0.123456789)) == pytest.approx(0.123456789, rel=1e-7)
+    for bad in (torch.tensor([0.3]), torch.tensor([0.3, 0.5]), torch.tensor(True), np.bool_(True), True, "0.3",
+                torch.tensor(1.5), np.float32(0.0), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match="keep_ratio"):
+            check_keep_ratio(bad)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        check_keep_ratio(torch.tensor([0.3, 0.5]))

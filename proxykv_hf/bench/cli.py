@@ -1,5 +1,10 @@
 """``proxykv bench``: build the target, its scorers and (for ProxyKV) the model its features come from, then run
-and report."""
+and report.
+
+The report on stdout is a table for people, then one line of JSON (:func:`~proxykv_hf.bench.run.summary_json`: the
+config, the environment and every row), the interface for scripts: ``json.loads(stdout.splitlines()[-1])``.
+``--out`` also writes the table, a plot and the same JSON (``bench.json``) to a directory.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def _scorers(ns, model, tok, tmp: str):
     names = dict.fromkeys(["full", *(m.partition("@")[0] for m in ns.methods)])  # "kvzip@global" scores as kvzip
     mapper = getattr(ns, "_mapper_dir", None) or (mapper_for(ns, model, tmp) if "proxykv" in names else None)
     if "proxykv" in names and mapper is None:
-        raise SystemExit("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
+        raise ValueError("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
     proxy = getattr(ns, "_proxy_model", None)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
                             proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None),
@@ -42,10 +47,14 @@ def _scorers(ns, model, tok, tmp: str):
 
 
 def shape_mapper_overrides(ns) -> dict:
-    """``--mapper-config FIELD=VALUE ...`` as typed fields of the random mapper; only with ``--shape``."""
+    """``--mapper-config FIELD=VALUE ...`` as typed fields of the random mapper; only with ``--shape``.
+
+    Raises:
+        ValueError: ``--mapper-config`` without ``--shape``, or a bad item.
+    """
     items = getattr(ns, "mapper_config", None) or []
     if items and not getattr(ns, "shape", None):
-        raise SystemExit("--mapper-config changes the random mapper of --shape; a trained mapper keeps its config")
+        raise ValueError("--mapper-config changes the random mapper of --shape; a trained mapper keeps its config")
     return mapper_overrides(items)
 
 

@@ -72,7 +72,8 @@ class KVzipScorer(ModelScorer):
 
     Args:
         tokenizer: the model's tokenizer (used for the repeat prompts and the chat-template postfix). None: loaded
-            from ``model.config.name_or_path`` with ``local_files_only=True`` at the first prompt.
+            from ``model.config.name_or_path`` with ``local_files_only=True`` at the first prompt
+            (:func:`~proxykv_hf.models.load_tokenizer`, so the bundled default's name finds its tokenizer too).
         chunk_size: real context tokens reconstructed per forward (kvpress: 2048, reference: 2000).
         prev_postfix_size: tokens of the previous chunk quoted in the prompt of the next one.
         n_sink: first real tokens that join every chunk's softmax (when they precede the chunk), get score 1.0
@@ -113,10 +114,10 @@ class KVzipScorer(ModelScorer):
         if not name:
             raise ValueError("KVzipScorer needs a tokenizer: pass KVzipScorer(tokenizer) (the model has no "
                              "name_or_path to load one from)")
-        from transformers import AutoTokenizer
+        from ..models import load_tokenizer  # resolves the bundled default's name to its converted directory
 
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+            self.tokenizer = load_tokenizer(name, local_files_only=True)
         except Exception as err:  # noqa: BLE001 - any loading failure means: tell the user to pass one
             raise ValueError(f"KVzipScorer could not load the tokenizer of {name!r} offline ({err}); pass "
                              "KVzipScorer(tokenizer)") from err

@@ -19,6 +19,8 @@ that calls :func:`register`).
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,13 +123,35 @@ def build(name: str, context: ScorerContext) -> Scorer | None:
     return scorer
 
 
-def load_plugins(modules: list[str] | None) -> None:
-    """Import ``modules`` (dotted names) for the :func:`register` calls they make."""
-    for module in modules or ():
-        try:
-            importlib.import_module(module)
-        except ImportError as err:
-            raise ValueError(f"could not import scorer plugin {module!r}: {err}") from err
+def load_plugins(modules: list[str] | None, *, search_cwd: bool = True) -> None:
+    """Import ``modules`` (dotted names) for the :func:`register` calls they make.
+
+    Args:
+        modules: module names, e.g. ``["mymethods", "mypackage.scorers"]``.
+        search_cwd: look in the current working directory first, as ``python -m`` and ``python script.py`` from
+            there would (an installed console script such as ``proxykv`` does not have it on ``sys.path``), so that
+            ``proxykv eval --plugin mymethods`` finds ``./mymethods.py``. The directory is on ``sys.path`` during
+            these imports only.
+
+    Raises:
+        ValueError: a module that cannot be imported, naming it.
+    """
+    modules = list(modules or ())
+    if not modules:
+        return
+    cwd = os.getcwd()
+    added = search_cwd and not any(os.path.abspath(entry or os.curdir) == cwd for entry in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise ValueError(f"could not import scorer plugin {module!r}: {err}") from err
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
 
 
 def _entry(name: str) -> Entry:

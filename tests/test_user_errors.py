@@ -1,0 +1,215 @@
+"""Mistakes a user can make: broken or missing mapper checkpoints, a mapper for a model of another shape, bad values on
+the ``proxykv`` command line. Each gives an error that names what is wrong; the command line exits with status 2
+and one line, never a traceback."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from proxykv_hf import ProxyKVCache
+from proxykv_hf.cli import build_parser, main
+from proxykv_hf.cli_helpers import load
+from proxykv_hf.hub import (BUNDLED_DIR, BUNDLED_MAPPER, CONFIG_NAME, WEIGHTS_NAME, Checkpoint, TargetSpec,
+                            load_checkpoint, looks_like_local_path)
+from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+from proxykv_hf.proxy import ProxySpec
+from proxykv_hf.testing import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+BUNDLED = BUNDLED_DIR / BUNDLED_MAPPER
+
+
+@pytest.fixture
+def copy_of_bundled(tmp_path):
+    return shutil.copytree(BUNDLED, tmp_path / "mapper")
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def test_corrupt_weights_name_the_file(copy_of_bundled):
+    (copy_of_bundled / WEIGHTS_NAME).write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="safetensors") as info:
+        load_checkpoint(copy_of_bundled)
+    assert str(copy_of_bundled / WEIGHTS_NAME) in str(info.value)
+
+
+def test_malformed_config_names_the_file(copy_of_bundled):
+    config = copy_of_bundled / CONFIG_NAME
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON") as info:
+        ProxyKVCache.from_pretrained(str(copy_of_bundled), keep_ratio=0.3)
+    assert str(config) in str(info.value)
+    good = json.loads((BUNDLED / CONFIG_NAME).read_text())
+    del good["target"]
+    config.write_text(json.dumps(good))
+    with pytest.raises(ValueError, match="malformed") as info:
+        load_checkpoint(copy_of_bundled)
+    assert str(config) in str(info.value) and "target" in str(info.value)
+
+
+def test_weights_of_another_config_name_both_files(copy_of_bundled):
+    config = copy_of_bundled / CONFIG_NAME
+    data = json.loads(config.read_text())
+    data["mapper"]["d_time"] *= 2
+    config.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="do not fit the mapper config") as info:
+        load_checkpoint(copy_of_bundled)
+    assert str(copy_of_bundled / WEIGHTS_NAME) in str(info.value) and str(config) in str(info.value)
+
+
+@pytest.mark.parametrize("as_path", [False, True])
+def test_missing_local_directory_is_not_a_hub_id(tmp_path, as_path):
+    missing = tmp_path / "no_such_dir"
+    with pytest.raises(FileNotFoundError, match="does not exist") as info:
+        ProxyKVCache.from_pretrained(missing if as_path else str(missing), keep_ratio=0.3)
+    assert "no_such_dir" in str(info.value) and "Repo id" not in str(info.value)
+
+
+@pytest.mark.parametrize("name,is_path", [
+    ("/abs/mapper", True), ("./mapper", True), ("../mapper", True), ("~/mapper", True), (".", True),
+    ("runs/a/mapper", True), ("org/mapper", False), ("mapper", False), ("proxykv-smollm2-135m-instruct", False),
+])
+def test_what_looks_like_a_local_path(name, is_path):
+    assert looks_like_local_path(name) is is_path
+
+
+def test_a_pathlib_path_is_always_local():
+    from pathlib import Path
+
+    assert looks_like_local_path(Path("mapper"))
+
+
+# ------------------------------------------------------------------------------------------------ mapper vs model
+def _self_proxy_checkpoint(heads=4):
+    stats = ["sum"]
+    cfg = MapperConfig.tiny(num_proxy_layers=3, num_proxy_heads=heads, num_target_layers=3, num_target_heads=2,
+                            num_statistics=len(stats))
+    return Checkpoint(mapper=HybridAxialMapper(cfg).eval(),
+                      proxy=ProxySpec(kind="self", num_layers=3, num_heads=heads, statistics=stats),
+                      target=TargetSpec(model_id="tiny", model_type="llama", num_layers=3, num_kv_heads=2,
+                                        num_heads=heads))
+
+
+def test_query_head_mismatch_is_refused_up_front():
+    ckpt = _self_proxy_checkpoint(heads=4)
+    ckpt.check_target(tiny_model("llama").config)  # 3 layers, 2 KV heads, 4 query heads: fits
+    model = tiny_model("llama", num_attention_heads=8, hidden_size=64)  # same layers and KV heads, 8 query heads
+    with pytest.raises(ValueError, match="4 query heads") as info:
+        ckpt.check_target(model.config)
+    assert "mapper" in str(info.value) and "8 query heads" in str(info.value)
+    from proxykv_hf import ProxyScorer
+
+    cache = ProxyKVCache(ProxyScorer(ckpt), keep_ratio=0.3)
+    with pytest.raises(ValueError, match="8 query heads"):
+        model.generate(**random_prompt(1, 40, seed=1), past_key_values=cache, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+
+
+def test_bundled_mapper_on_a_model_of_other_query_heads():
+    ckpt = load_checkpoint(BUNDLED)
+    model = tiny_model("llama", num_hidden_layers=30, num_attention_heads=6, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match="9 query heads.*6 query heads"):
+        ckpt.check_target(model.config)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+GEN = ["generate", "--tiny", "--method", "snapkv", "--prompt", "hello world", "--max-new-tokens", "2"]
+
+
+def _exit(argv, capsys):
+    """The exit status of ``main(argv)`` and its stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--keep-ratio", "2"], ["--keep-ratio", "(0, 1]", "'2'"]),
+    (["--keep-ratio", "abc"], ["--keep-ratio", "'abc'"]),
+    (["--prompt-file", "/nonexistent/doc.txt"], ["--prompt-file", "/nonexistent/doc.txt", "does not exist"]),
+    (["--method", "proxykv", "--mapper", "/nonexistent/mapper"], ["--mapper", "/nonexistent/mapper", "does not exist"]),
+    (["--device", "nonsense"], ["--device", "'nonsense'"]),
+])
+def test_generate_refuses_bad_values_when_reading_the_command_line(capsys, extra, words):
+    code, err = _exit(GEN + extra, capsys)
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("proxykv generate: error: ") and all(w in last for w in words), last
+
+
+def test_combine_mappers_user_errors(tmp_path, capsys):
+    out = tmp_path / "out"
+    code, err = _exit(["combine-mappers", "/nonexistent/a", "/nonexistent/b", "--weight", "0.5", "--out", str(out)],
+                      capsys)
+    assert code == 2 and "/nonexistent/a" in err.strip().splitlines()[-1]
+    existing = tmp_path / "file"
+    existing.write_text("x")
+    code, err = _exit(["combine-mappers", str(BUNDLED), str(BUNDLED), "--weight", "0.5", "--out", str(existing)],
+                      capsys)
+    assert code == 2 and "existing file" in err and str(existing) in err
+    # a value only the library checks: one line naming the command, status 2
+    with pytest.raises(SystemExit, match="weight must lie") as info:
+        main(["combine-mappers", str(BUNDLED), str(BUNDLED), "--weight", "2", "--out", str(out)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "proxykv combine-mappers: error: weight must lie in [0, 1] (0 = base, 1 = other), got 2.0"]
+    assert not out.exists()
+
+
+def test_only_user_errors_become_exits(monkeypatch, capsys):
+    """ValueError -> status 2 (or its traceback with -v); any other exception is a bug and propagates."""
+    import proxykv_hf.cli as cli
+
+    def fails(error):
+        def cmd(ns):
+            raise error
+        return cmd
+
+    monkeypatch.setattr(cli, "cmd_corpora", fails(ValueError("bad value 7")))
+    code, err = _exit(["corpora"], capsys)
+    assert code == 2 and err.strip() == "proxykv corpora: error: bad value 7"
+    with pytest.raises(ValueError, match="bad value 7"):
+        main(["-v", "corpora"])
+    monkeypatch.setattr(cli, "cmd_corpora", fails(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["corpora"])
+
+
+@pytest.mark.slow  # a new Python process imports torch and transformers
+def test_no_traceback_from_the_console_entry_point(tmp_path):
+    """The real process: one stderr line and status 2 for an error found after parsing."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "proxykv_hf.cli", "combine-mappers", str(BUNDLED), str(BUNDLED),
+                           "--weight", "1.5", "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "proxykv combine-mappers: error: weight must lie in [0, 1] (0 = base, 1 = other), got 1.5"]
+
+
+def test_tiny_honours_dtype_and_device():
+    ns = build_parser().parse_args(["generate", "--tiny", "--dtype", "float16", "--device", "meta", "--prompt", "x"])
+    model, _ = load(ns)
+    p = next(model.parameters())
+    assert p.dtype == torch.float16 and p.device.type == "meta"
+    ns = build_parser().parse_args(["generate", "--tiny", "--dtype", "bfloat16", "--prompt", "x"])
+    p = next(load(ns)[0].parameters())
+    assert p.dtype == torch.bfloat16 and p.device.type == "cpu"  # without --device, --tiny stays on the CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of CUDA where there is none")
+def test_cuda_device_refused_without_cuda(capsys):
+    code, err = _exit(GEN + ["--device", "cuda"], capsys)
+    assert code == 2 and "no CUDA device" in err
+
+
+def test_bench_help_names_its_json_line(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "one JSON line on stdout" in text and "bench.json" in text
