@@ -1,18 +1,17 @@
 """The building blocks of :class:`~proxykv_hf.mapper.HybridAxialMapper`: the input transform, the three stages
 (:class:`ConvStem`, :class:`TimeEncoder`, :class:`HeadStage`) and the optional :class:`DirectPath`, with the
-window and position helpers they share. Each block takes its sizes from a :class:`~proxykv_hf.mapper.MapperConfig`.
+window and position helpers they share. Each block takes its sizes from a
+:class:`~proxykv_hf.mapper_config.MapperConfig`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from .mapper import MapperConfig
+from .mapper_config import MapperConfig
 
 LOG_FLOOR = 1e-4  # the "log" transform reads log(x + LOG_FLOOR): attention below 1e-4 counts as none
 

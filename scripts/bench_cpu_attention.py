@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from proxykv_hf import scoring
+from proxykv_hf import scoring, scoring_torch
 
 
 def best_of(fn, repeats: int) -> float:
@@ -51,16 +51,16 @@ def _with(chunk_size: int, per_pass: int | None = None, split: bool = True):
     """``causal_attention_with_statistics`` under a KV-head grouping and with or without the thread split."""
 
     def run(q, k, v):
-        default_pass, default_pairs = scoring._kv_heads_per_pass, scoring.THREADED_MIN_PAIRS
+        default_pass, default_pairs = scoring_torch._kv_heads_per_pass, scoring_torch.THREADED_MIN_PAIRS
         if per_pass is not None:
-            scoring._kv_heads_per_pass = lambda device, num_kv_heads: per_pass
+            scoring_torch._kv_heads_per_pass = lambda device, num_kv_heads: per_pass
         if not split:
-            scoring.THREADED_MIN_PAIRS = float("inf")
+            scoring_torch.THREADED_MIN_PAIRS = float("inf")
         try:
             return scoring.causal_attention_with_statistics(q, k, v, chunk_size=chunk_size,
                                                             statistics=scoring.STATISTICS, backend="torch")
         finally:
-            scoring._kv_heads_per_pass, scoring.THREADED_MIN_PAIRS = default_pass, default_pairs
+            scoring_torch._kv_heads_per_pass, scoring_torch.THREADED_MIN_PAIRS = default_pass, default_pairs
 
     return run
 

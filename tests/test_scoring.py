@@ -177,7 +177,7 @@ def test_more_queries_than_keys_under_an_explicit_mask(chunk):
 
 def test_a_mask_that_shows_the_future_is_honoured():
     """Causal masks let each query chunk skip later keys; a mask that shows later keys must not be truncated."""
-    from proxykv_hf.scoring import _hides_future
+    from proxykv_hf.scoring_torch import _hides_future
 
     torch.manual_seed(2)
     B, H, H_kv, T, D = 2, 4, 2, 12, 8
@@ -241,21 +241,21 @@ def padded_prefill(seed: int, T: int):
 def test_kv_heads_per_pass_do_not_change_the_result(monkeypatch, masked):
     """The PyTorch path computes one KV head's queries at a time on a CPU and all KV heads at once elsewhere: both
     give the same statistics and output, under a padding mask too."""
-    from proxykv_hf import scoring
+    from proxykv_hf import scoring, scoring_torch
 
     query, key, value, valid, mask = padded_prefill(seed=4, T=21)
     stats = ("sum", "max", "lookback")
 
     def run(per_pass):
-        monkeypatch.setattr(scoring, "_kv_heads_per_pass", lambda device, n: per_pass)
+        monkeypatch.setattr(scoring_torch, "_kv_heads_per_pass", lambda device, n: per_pass)
         if masked:
-            found, _ = scoring._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
+            found, _ = scoring_torch._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
             return [found[s] for s in stats]
         out, got = scoring.causal_attention_with_statistics(query, key, value, 0.3, chunk_size=4, statistics=stats,
                                                             backend="torch")
         return [out, got]
 
-    assert scoring._kv_heads_per_pass(torch.device("cpu"), key.shape[1]) == 1
+    assert scoring_torch._kv_heads_per_pass(torch.device("cpu"), key.shape[1]) == 1
     one, two, every = run(1), run(2), run(key.shape[1])
     for a, b, c in zip(one, two, every):
         torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
@@ -434,23 +434,23 @@ def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch
     taking the next chunk as it is free (the longest first), with its own sums and maxima: every chunk is computed
     once, off the caller's thread, and the statistics and output are those of one thread over every chunk (up to
     float rounding), under a padding mask and with padded queries too; torch's thread count is 2 again afterwards."""
-    from proxykv_hf import scoring
+    from proxykv_hf import scoring, scoring_torch
 
     query, key, value, valid, mask = padded_prefill(seed=5, T=23)
     stats = ("sum", "max", "lookback")
     taken = []  # (thread, chunk start) of each chunk computed
-    real = scoring._Chunks.run
+    real = scoring_torch._Chunks.run
 
     def spy(self, starts, sum_dtype=torch.float32):
         return real(self, (taken.append((threading.get_ident(), q0)) or q0 for q0 in starts), sum_dtype)
 
-    monkeypatch.setattr(scoring._Chunks, "run", spy)
+    monkeypatch.setattr(scoring_torch._Chunks, "run", spy)
 
     def run(min_pairs):
         taken.clear()
-        monkeypatch.setattr(scoring, "THREADED_MIN_PAIRS", min_pairs)
+        monkeypatch.setattr(scoring_torch, "THREADED_MIN_PAIRS", min_pairs)
         if masked:
-            found, _ = scoring._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
+            found, _ = scoring_torch._torch_statistics(query, key, mask, 0.3, valid, 4, stats)
             return [found[s] for s in stats]
         out, got = scoring.causal_attention_with_statistics(query, key, value, 0.3, query_valid=valid, chunk_size=4,
                                                             statistics=stats, backend="torch")
@@ -470,10 +470,10 @@ def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch
 def test_cpu_worker_sums_do_not_depend_on_which_worker_took_which_chunk():
     """The workers' float64 sums, added up and rounded to float32, are the same bits for any split of the chunks
     between them (which chunk a worker takes changes from one call to the next)."""
-    from proxykv_hf import scoring
+    from proxykv_hf import scoring_torch
 
     query, key, _, valid, mask = padded_prefill(seed=6, T=40)
-    chunked = scoring._Chunks(query, key, mask, 0.3, valid, 4, ("sum",), None)
+    chunked = scoring_torch._Chunks(query, key, mask, 0.3, valid, 4, ("sum",), None)
     starts = list(range(0, 40, 4))
 
     def total(split):
@@ -487,7 +487,7 @@ def test_cpu_worker_sums_do_not_depend_on_which_worker_took_which_chunk():
 
 
 def test_cpu_pass_stays_on_one_thread_where_threads_do_not_pay(two_torch_threads):
-    from proxykv_hf.scoring import THREADED_MIN_PAIRS, _cpu_workers
+    from proxykv_hf.scoring_torch import THREADED_MIN_PAIRS, _cpu_workers
 
     big = torch.zeros(1, 1, 2048, 8)
     assert THREADED_MIN_PAIRS <= 2048 * 2048

@@ -1,7 +1,7 @@
 """Training tooling on top of the core: text sources (:mod:`.sources`), data building (:mod:`.data`, with
 :mod:`.manifest`, :mod:`.features` and :mod:`.shards`), reading it back (:mod:`.dataset`), the hybrid loss
-(:mod:`.losses`), retention metrics (:mod:`.metrics`) and the training loop (:mod:`.loop`, with
-:mod:`.mapper_init`, :mod:`.optim`, :mod:`.resume` and :mod:`.evaluate`)."""
+(:mod:`.losses`), retention metrics (:mod:`.metrics`) and the training loop (:mod:`.loop`, with its settings in
+:mod:`.config`, and :mod:`.mapper_init`, :mod:`.optim`, :mod:`.resume` and :mod:`.evaluate`)."""
 
 from .data import build_dataset
 from .dataset import MapperDataset, split_dataset

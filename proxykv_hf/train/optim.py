@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import torch
 from torch.utils.data import Sampler
 
 from ..mapper import HybridAxialMapper
-
-if TYPE_CHECKING:
-    from .loop import TrainConfig
+from .config import TrainConfig
 
 
 def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:

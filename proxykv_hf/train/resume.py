@@ -13,17 +13,14 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..hub import WEIGHTS_NAME
 from ..mapper import MapperConfig
-
-if TYPE_CHECKING:
-    from .loop import TrainConfig
-    from .optim import WarmupPlateau
+from .config import TrainConfig
+from .optim import WarmupPlateau
 
 logger = logging.getLogger(__name__)
 
