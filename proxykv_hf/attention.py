@@ -40,7 +40,8 @@ class PendingCall(Protocol):
               attention_mask: torch.Tensor | None, scaling: float) -> None: ...
 
     # optional: ``attend(module, query, key, value, scaling) -> (B, H, Q, D) output or None`` (see module docstring)
-    # optional: ``replace(module, query, key, value, scaling) -> (B, H, Q, D)``: always computes the attention
+    # optional: ``replace(module, query, key, value, scaling, *, weights) -> ((B, H, Q, D), probabilities or None)``:
+    # always computes the attention (the probabilities when ``weights``, as eager attention returns them)
 
 
 # the keyword arguments a plain causal attention call may carry (what Llama, Mistral, Qwen2/3 and Gemma3 pass)
@@ -86,8 +87,9 @@ def _make_wrapper(base: str) -> Callable:
     def proxykv_attention(module, query, key, value, attention_mask, *args: Any, **kwargs: Any):
         call = _take_pending()
         if call is not None and getattr(call, "replace", None) is not None:  # the call computes the attention
-            out = call.replace(module, query, key, value, _scaling(module, query, kwargs))
-            return out.transpose(1, 2).contiguous(), None  # (B, Q, H, D), as sdpa_attention_forward
+            out, weights = call.replace(module, query, key, value, _scaling(module, query, kwargs),
+                                        weights=base == "eager")  # eager attention returns its probabilities
+            return out.transpose(1, 2).contiguous(), weights  # (B, Q, H, D), as sdpa_attention_forward
         if call is not None:
             attention_mask = call.before(module, attention_mask, query, key)
             attend = getattr(call, "attend", None)

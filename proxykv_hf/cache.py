@@ -4,33 +4,53 @@ The first prefill runs on the full K/V, so the first generated token is exact. R
 layer's prefill attention the layer (a :class:`~proxykv_hf.layer.ProxyKVLayer`) is compacted to
 ``K = ceil(keep_ratio * T_real)`` entries per KV head; the dropped entries are released. Later tokens (decode,
 continuation prefills) are kept in full. When a layer is scored depends on the scorer's kind
-(:mod:`proxykv_hf.scorers.base`). The cache learns its prompt from :meth:`ProxyKVCache.prepare` or, inside
-``generate``, from the calling frames (:mod:`proxykv_hf.prompt`), and gets each layer's queries from the attention
-wrapper (:mod:`proxykv_hf.attention`). Design: docs/design.md.
+(:mod:`proxykv_hf.scorers.base`). The cache gets each layer's queries from the attention wrapper
+(:mod:`proxykv_hf.attention`).
+
+A cache holds one conversation (:mod:`proxykv_hf.conversation`): at the start of every forward it records the tokens
+fed (:mod:`proxykv_hf.prompt`), and every ``generate`` call on a used cache must continue them. The prompt it
+compresses is what ``generate`` was given (or what :meth:`ProxyKVCache.prepare` names), not the first forward:
+chunked prefill compresses once the whole prompt is in, and candidate-verifying decoders (assisted, prompt lookup)
+get their first forward split into the prompt and the candidates (:mod:`proxykv_hf.candidates`). Design:
+docs/design.md.
 """
 
 from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import attention
+from . import attention, candidates
+from .conversation import START_OVER, Conversation
 from .layer import ProxyKVLayer
-from .prompt import SUPPORTED_FAMILIES, check_continuation, check_prompt, find_prompt, make_prompt
+from .prompt import SUPPORTED_FAMILIES, check_prompt, make_prompt, running_forward
 from .schedule import RaggedAttention, Schedule, SpareSlots
 from .scorers.base import LayerScorer, ModelScorer, Prompt, Scorer
 from .scoring import FusedStatistics
 from .selection import BUDGETS, check_keep_ratio, keep_counts, select_global, select_topk
 
-__all__ = ["ProxyKVCache", "ProxyKVLayer", "SUPPORTED_FAMILIES"]
+__all__ = ["DEFAULT_KEEP_RATIO", "ProxyKVCache", "ProxyKVLayer", "SUPPORTED_FAMILIES"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEP_RATIO = 0.3
+"""The keep ratio of a cache built without one (the paper's main setting)."""
+
+_TRANSIENT = ("_call_ids", "_split", "_new_call")  # per-call handles: never copied, pickled or snapshotted
 
 
 class ProxyKVCache(DynamicCache):
     """A ``DynamicCache`` that compacts each full-attention layer to its top-K entries per KV head after prefill.
 
     Args:
-        scorer: a :class:`~proxykv_hf.scorers.base.Scorer` (None keeps everything: a full cache).
+        scorer: a :class:`~proxykv_hf.scorers.base.Scorer` (None keeps everything: a full cache). The cache scores
+            with its own :meth:`~proxykv_hf.scorers.base.Scorer.fresh` copy, so one scorer can serve many caches,
+            also from several threads at once.
         keep_ratio: fraction of each row's real prompt tokens kept per KV head, in (0, 1] (the paper's rho).
         n_sink: always keep the first ``n_sink`` real tokens.
         n_recent: always keep the last ``n_recent`` real tokens.
@@ -48,12 +68,13 @@ class ProxyKVCache(DynamicCache):
         cache = ProxyKVCache(SnapKVScorer(), keep_ratio=0.3)
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
 
-    A cache compresses once, on its first prefill. Calling ``generate`` again with the same cache continues the
-    conversation (the new prompt must start with the old one); use :meth:`fresh` or :meth:`reset` for a new prompt.
+    A cache compresses once, on its first prefill, and holds one conversation: calling ``generate`` again with the
+    same cache continues it (the new prompt must start with every token the cache holds, generated ones included);
+    anything else is a ``ValueError``. Use :meth:`fresh` or :meth:`reset` for a new prompt.
     """
 
-    def __init__(self, scorer: Scorer | None = None, keep_ratio: float = 1.0, *, n_sink: int = 0, n_recent: int = 0,
-                 config=None, fuse_statistics: bool = True, budget: str = "uniform"):
+    def __init__(self, scorer: Scorer | None = None, keep_ratio: float = DEFAULT_KEEP_RATIO, *, n_sink: int = 0,
+                 n_recent: int = 0, config=None, fuse_statistics: bool = True, budget: str = "uniform"):
         self.keep_ratio = check_keep_ratio(keep_ratio)
         if budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
@@ -63,7 +84,7 @@ class ProxyKVCache(DynamicCache):
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if scorer is not None and not isinstance(scorer, (LayerScorer, ModelScorer)):
             raise ValueError(f"scorer must subclass LayerScorer or ModelScorer, got {type(scorer).__name__}")
-        self.scorer = scorer
+        self.scorer = None if scorer is None else scorer.fresh()
         self._settings = dict(n_sink=n_sink, n_recent=n_recent, config=config, fuse_statistics=fuse_statistics,
                               budget=budget)
         self.n_sink = max(n_sink, getattr(scorer, "n_sink", 0))
@@ -71,17 +92,19 @@ class ProxyKVCache(DynamicCache):
         self.fused = FusedStatistics(enabled=fuse_statistics)
         super().__init__(config=config)
         self._adopt_layers()
+        self.conversation = Conversation()
+        self._user_defined = False
         self._clear_state()
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, keep_ratio: float = 0.3, *, fuse_statistics: bool = True,
-                        **kwargs) -> "ProxyKVCache":
+    def from_pretrained(cls, name_or_path: str, keep_ratio: float = DEFAULT_KEEP_RATIO, *,
+                        fuse_statistics: bool = True, **kwargs) -> "ProxyKVCache":
         """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
 
         ``n_sink``, ``n_recent``, ``config`` and ``budget`` go to the constructor; ``name_or_path`` and the other
         ``kwargs`` (``proxy``, ``proxy_device``, ``revision``, ``cache_dir``, ``token``, ``local_files_only``,
         ``pool_kernel``, ...) to :meth:`ProxyScorer.from_pretrained <proxykv_hf.scorers.proxy.ProxyScorer.
-        from_pretrained>`; ``fuse_statistics`` to both. Use the cache for one ``generate`` call, :meth:`fresh` next.
+        from_pretrained>`; ``fuse_statistics`` to both. Use the cache for one conversation, :meth:`fresh` next.
         """
         from .scorers.proxy import ProxyScorer
 
@@ -91,7 +114,7 @@ class ProxyKVCache(DynamicCache):
 
     def fresh(self) -> "ProxyKVCache":
         """An empty cache with the same settings, sharing the scorer's heavy parts (mapper, proxy model)."""
-        return type(self)(None if self.scorer is None else self.scorer.fresh(), self.keep_ratio, **self._settings)
+        return type(self)(self.scorer, self.keep_ratio, **self._settings)
 
     # ----------------------------------------------------------------------------------------------- layout, state
     def _adopt_layers(self) -> None:
@@ -108,20 +131,58 @@ class ProxyKVCache(DynamicCache):
         return memo[2]
 
     def _clear_state(self) -> None:
-        self.prompt: Prompt | None = None
+        self.prompt: Prompt | None = None  # the compressed prompt (its model only until it is compressed)
+        self._prepared = False  # the prompt came from prepare(), and no forward has run yet
         self._budgets: torch.Tensor | None = None  # (B,) entries each row keeps per KV head, on the CPU
         self._schedule: Schedule | None = None  # while the first prefill is being compressed
         self._scored: dict[int, torch.Tensor] = {}  # global budget: each layer's scores until all are in
+        self._call_ids = None  # the prompt of the generate call last checked (identity: same call)
+        self._new_call = False  # generate announced a new call (see _is_user_defined)
+        self._split = None  # candidates.FirstVerification while one is armed
+        self.conversation.clear()
 
     def reset(self) -> None:
-        """Empty the cache, forget the prompt; the next prefill is compressed again."""
+        """Empty the cache, forget the conversation; the next prefill is compressed again."""
         super().reset()
         self._clear_state()
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # transformers' generate sets this on a cache it is given, once per call, before any forward and once its
+        # prompt is ready: the call's prompt is checked here (a prompt that cannot run would fail before the cache
+        # ever sees a forward), else at the call's first forward
+        self._user_defined = value
+        _, call = running_forward(2)
+        if call is None:
+            self._new_call = True
+            return
+        self._new_call, self._call_ids = False, call.input_ids
+        self._check_call(call, self._held())
+
+    def _held(self) -> int:
+        """Tokens the cache holds; the conversation is marked unknown if its layers were filled behind its back."""
+        held = self.get_seq_length()
+        if held != len(self.conversation):
+            self.conversation.clear()
+            self.conversation.append(None, held)
+        return held
+
+    def compressing(self) -> bool:
+        """Whether the cache is between the first forward of its prompt and the last layer's compaction."""
+        return self._schedule is not None or (self.prompt is not None and self.prompt.model is not None
+                                               and self.get_seq_length() > 0)
 
     # ----------------------------------------------------------------------------------------------- prompt
     def prepare(self, model, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 *, inputs_embeds_shape: tuple[int, int] | None = None) -> "ProxyKVCache":
-        """Explicitly give the cache its model and first prompt (no frame lookup), e.g. before ``generate``.
+        """Name the model and the first prompt before running it, e.g. for a hand-written loop or chunked forwards.
+
+        The forwards that follow must feed exactly this prompt (a ``generate`` call must be given it; hand-written
+        forwards may feed it in chunks), else they raise ``ValueError``.
 
         Args:
             model: the ``PreTrainedModel`` that will run with this cache.
@@ -135,6 +196,7 @@ class ProxyKVCache(DynamicCache):
         if self.get_seq_length() > 0:
             raise ValueError("prepare() must be called on an empty cache; call reset() first")
         self._start(make_prompt(input_ids, attention_mask, model, inputs_embeds_shape))
+        self._prepared = True
         return self
 
     def _start(self, prompt: Prompt) -> None:
@@ -149,34 +211,85 @@ class ProxyKVCache(DynamicCache):
         if not self._keeps_everything():
             self._schedule = Schedule(self)
             self.scorer.prepare(prompt)
+        elif self.scorer is not None:
+            logger.warning("ProxyKVCache keeps all %d prompt tokens (keep_ratio=%s, %d always kept by n_sink + "
+                           "n_recent): nothing is pruned", prompt.length, self.keep_ratio, self.n_sink + self.n_recent)
 
     def _keeps_everything(self) -> bool:
         """No scorer, or every row keeps its whole prompt."""
         return self.scorer is None or int(self._budgets.max()) >= self.prompt.length
 
+    def _begin_forward(self, n: int) -> None:
+        """At the first layer of every forward (``n`` new tokens): learn or check the prompt, record the tokens."""
+        forward, call = running_forward(3)
+        ids = forward.input_ids if forward is not None else None
+        ids = ids if ids is not None and ids.dim() == 2 and ids.shape[-1] == n else None
+        held = self._held()
+        if call is not None and (self._new_call or call.input_ids is not self._call_ids):
+            self._new_call, self._call_ids = False, call.input_ids
+            self._check_call(call, held)
+            held = self.get_seq_length()
+        if self.prompt is None:
+            if forward is None:
+                raise ValueError("ProxyKVCache could not find the model running this forward (called outside a "
+                                 "transformers model, or under torch.compile). Call cache.prepare(model, input_ids, "
+                                 "attention_mask) before running the model.")
+            if forward.input_ids is None:
+                raise ValueError("ProxyKVCache was given inputs_embeds without a prompt to compress: call "
+                                 "cache.prepare(model, inputs_embeds_shape=(batch, length), attention_mask=...) "
+                                 "before the forward (or pass input_ids).")
+            self._start(make_prompt(forward.input_ids, forward.attention_mask, forward.model))
+        if self.compressing() or self._prepared:
+            self._check_prompt_forward(ids, held, n)
+        self._prepared = False
+        self.conversation.append(ids, n)
+
+    def _check_call(self, call, held: int) -> None:
+        """A ``generate`` call's prompt starts an empty cache, or must continue what the cache holds."""
+        if held == 0 and not self._prepared:  # an empty cache: the call's prompt is the prompt
+            self._schedule = self._budgets = None  # (what an earlier call that failed before its forward started)
+            self._start(make_prompt(call.input_ids, call.attention_mask, call.model, (call.batch, call.length)))
+        elif self._prepared:  # prepare() named the prompt: generate must be given the same
+            want = self.prompt.input_ids
+            if want is not None and (call.input_ids is None or call.input_ids.shape != want.shape
+                                     or not torch.equal(call.input_ids.to(want.device), want)):
+                got = "inputs_embeds" if call.input_ids is None else f"ids of shape {tuple(call.input_ids.shape)}"
+                raise ValueError(f"generate() was given other tokens than the prompt passed to prepare() (ids of "
+                                 f"shape {tuple(want.shape)}; generate got {got}). {START_OVER}")
+        else:
+            factor = self.conversation.check(call.input_ids)
+            if factor > 1:
+                self.batch_repeat_interleave(factor)
+
+    def _check_prompt_forward(self, ids: torch.Tensor | None, held: int, n: int) -> None:
+        """A forward of the prompt being compressed must feed its next tokens, and not run past its end."""
+        length = self.prompt.length
+        if held + n > length:
+            raise ValueError(f"this forward feeds {n} tokens on top of {held}, past the end of the prompt being "
+                             f"compressed ({length} tokens): feed the prompt alone first (a cache compresses the "
+                             f"prompt it was given, then keeps later tokens in full). {START_OVER}")
+        want = self.prompt.input_ids
+        if ids is not None and want is not None and not torch.equal(ids.to(want.device), want[:, held:held + n]):
+            raise ValueError(f"this forward feeds other tokens than positions {held}-{held + n - 1} of the prompt "
+                             f"being compressed (given to prepare() or generate()). {START_OVER}")
+
     # ----------------------------------------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self.prompt is None:
-            prompt = find_prompt()
-            if prompt is None:
-                raise ValueError(
-                    "ProxyKVCache could not find the prompt of this forward (called with inputs_embeds, under "
-                    "torch.compile, or outside a transformers model). Call "
-                    "cache.prepare(model, input_ids, attention_mask) before running the model."
-                )
-            self._start(prompt)
-        elif key_states.shape[-2] > 1 and layer_idx == self.compactable_layers()[0] and \
-                self.layers[layer_idx].compacted:
-            check_continuation(self.prompt)
+        if layer_idx == 0:  # the first layer of a forward
+            self._begin_forward(key_states.shape[-2])
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         schedule = self._schedule
         if isinstance(layer, ProxyKVLayer):
-            if not layer.compacted and layer.cumulative_length >= self.prompt.length:
-                if schedule is None:
-                    layer.compact(None)  # nothing to drop (keep_ratio 1.0, or every row short enough)
-                else:
-                    attention.set_pending(schedule.pending(layer_idx))
+            if not layer.compacted:
+                if layer.cumulative_length >= self.prompt.length:
+                    if schedule is None:
+                        layer.compact(None)  # nothing to drop (keep_ratio 1.0, or every row short enough)
+                        self.finish_if_compressed()
+                    else:
+                        attention.set_pending(schedule.pending(layer_idx))
+                elif schedule is not None:
+                    attention.set_pending(schedule.chunk(layer_idx))  # a prefill chunk: its queries count too
             elif layer.ragged:
                 attention.set_pending(RaggedAttention(layer))
             elif layer.slot_valid is not None:
@@ -184,6 +297,14 @@ class ProxyKVCache(DynamicCache):
         elif schedule is not None and schedule.waiting:
             schedule.after_layer(layer_idx)  # the model ends with sliding layers: its scorer needs their K/V too
         return keys, values
+
+    def finish_if_compressed(self) -> None:
+        """Called after each layer's compaction: once every compacted layer is done, drop what only the compression
+        needed (the model, the schedule), so that copies and pickles of the cache hold K/V, not the model."""
+        if self.prompt is not None and self.prompt.model is not None and \
+                all(self.layers[i].compacted for i in self.compactable_layers()):
+            self._schedule, self._budgets = None, None
+            self.prompt = replace(self.prompt, model=None)
 
     # ----------------------------------------------------------------------------------------------- selection
     def select(self, layer_idx: int, scores: torch.Tensor) -> None:
@@ -211,20 +332,72 @@ class ProxyKVCache(DynamicCache):
         """K/V entries stored by the compacted layers, summed over layers, rows and heads (spare slots included)."""
         return sum(self.layers[i].held_entries() for i in self.compactable_layers())
 
+    # ----------------------------------------------------------------------------------------------- generate hooks
+    def activate_past_recording(self) -> None:
+        """Called by transformers before candidate-verifying decoding (assisted, prompt lookup): their first forward
+        holds the prompt and the candidates, so it is split (:mod:`proxykv_hf.candidates`)."""
+        parent = getattr(super(), "activate_past_recording", None)
+        if parent is not None:
+            parent()
+        _, call = running_forward(2)
+        if call is not None:
+            self._split = candidates.FirstVerification.arm(self, call)
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        self.conversation.crop(self.get_seq_length())
+
+    def _rows_changed(self, rows: torch.Tensor) -> None:
+        self.conversation.select_rows(rows)
+        if self.prompt is not None:
+            ids = None if self.prompt.input_ids is None else self.prompt.input_ids[rows.to(self.prompt.valid.device)]
+            self.prompt = replace(self.prompt, input_ids=ids, valid=self.prompt.valid[rows.to(self.prompt.valid.device)])
+
+    def _refuse_mid_prefill(self, what: str) -> None:
+        if self.compressing():
+            raise ValueError(f"cannot {what} a ProxyKVCache in the middle of compressing its prompt")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refuse_mid_prefill("expand")
+        rows = torch.arange(self._batch_size()).repeat_interleave(repeats)
+        super().batch_repeat_interleave(repeats)
+        self._rows_changed(rows)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refuse_mid_prefill("select rows of")
+        super().batch_select_indices(indices)
+        self._rows_changed(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refuse_mid_prefill("reorder")
+        super().reorder_cache(beam_idx)
+        self._rows_changed(beam_idx)
+
+    def _batch_size(self) -> int:
+        if self.conversation.rows is not None:
+            return self.conversation.rows
+        if self.prompt is not None:
+            return self.prompt.valid.shape[0]
+        layer = next((l for l in self.layers if getattr(l, "keys", None) is not None and l.keys.numel()), None)
+        return 0 if layer is None else layer._batch_size() if isinstance(layer, ProxyKVLayer) else layer.keys.shape[0]
+
     # ----------------------------------------------------------------------------------------------- reuse, size
-    def snapshot(self) -> list[dict]:
+    def snapshot(self) -> dict:
         """A cheap handle on the current state (tensors are shared, not copied): appends never change what a
         stored tensor or view shows (:meth:`ProxyKVLayer._append <proxykv_hf.layer.ProxyKVLayer._append>`), so
         :meth:`restore` brings the cache back, e.g. to answer several questions from one compressed context."""
-        return [dict(vars(layer)) for layer in self.layers]
+        return {"layers": [dict(vars(layer)) for layer in self.layers],
+                "conversation": copy.copy(self.conversation), "prompt": self.prompt}
 
-    def restore(self, state: list[dict]) -> None:
+    def restore(self, state: dict) -> None:
         """Return to a :meth:`snapshot` taken on this cache."""
-        if len(state) != len(self.layers):
+        if len(state["layers"]) != len(self.layers):
             raise ValueError("snapshot was taken on a cache with a different number of layers")
-        for layer, saved in zip(self.layers, state):
+        for layer, saved in zip(self.layers, state["layers"]):
             layer.__dict__.clear()
             layer.__dict__.update(saved)
+        self.conversation, self.prompt, self._call_ids = copy.copy(state["conversation"]), state["prompt"], None
+        self._new_call = True
 
     def physical_lengths(self) -> list[int]:
         """Entries stored per layer (compacted layers: K plus the tokens added since)."""
@@ -232,9 +405,53 @@ class ProxyKVCache(DynamicCache):
                 for layer in self.layers]
 
     def nbytes(self) -> int:
-        """Bytes held by all K/V tensors of the cache."""
-        tensors = [t for layer in self.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        """Bytes of memory the cache's layers hold: every tensor's whole storage, counted once (K/V with the spare
+        room kept for later tokens, the kept positions and the global budget's packed indices). The token ids of
+        the conversation (a few bytes per token) are not counted."""
+        seen, total = set(), 0
+        for layer in self.layers:
+            for t in _tensors_of(layer):
+                storage = t.untyped_storage()
+                key = (t.device, storage.data_ptr(), storage.nbytes())
+                if t.device.type != "meta" and key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+        return total
+
+    # ----------------------------------------------------------------------------------------------- copy, pickle
+    def _state(self, what: str) -> dict:
+        if self.compressing():
+            raise ValueError(f"cannot {what} a ProxyKVCache in the middle of compressing its prompt (between its "
+                             "first forward and the last layer's compaction)")
+        return {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
+
+    def __deepcopy__(self, memo: dict) -> "ProxyKVCache":
+        """A copy holding copies of the K/V and of the conversation; the scorer's heavy parts are shared
+        (:meth:`~proxykv_hf.scorers.base.Scorer.fresh`), the model is never copied."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self._state("copy").items():
+            new.__dict__[key] = value.fresh() if key == "scorer" and value is not None else copy.deepcopy(value, memo)
+        new._call_ids = new._split = None
+        new._new_call = True
+        return new
+
+    def __getstate__(self) -> dict:
+        return self._state("pickle")
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._call_ids = self._split = None
+        self._new_call = True
+
+
+def _tensors_of(layer):
+    """Every tensor a cache layer holds (its attributes, and the buffers of a compacted layer's spare room)."""
+    for value in vars(layer).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        else:
+            yield from (t for t in getattr(value, "tensors", ()) if isinstance(t, torch.Tensor))
 
 
 def global_keep(scorer: Scorer, scores: dict[int, torch.Tensor], valid: torch.Tensor, keep_ratio: float, n_sink: int,

@@ -33,7 +33,8 @@ class ProxyKVLayer(DynamicLayer):
 
     is_croppable = True
     ROOM = 128
-    """Entries of spare room a compacted layer's buffer gets for the tokens appended after the prompt."""
+    """Entries of spare room a compacted layer's buffer gets for the tokens appended after the prompt, at most the
+    entries compaction freed (so that a compressed layer never holds more than the full one would)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -50,6 +51,7 @@ class ProxyKVLayer(DynamicLayer):
         self.owner: torch.Tensor | None = None  # ragged: (N,) b * H_kv + h of each stored entry
         self.position: torch.Tensor | None = None  # ragged: (N,) logical index of each stored entry
         self.n_kv_heads = 0
+        self.freed = 0  # entries per row and head that compaction dropped (the spare room's ceiling)
         self._room: _Room | None = None  # compacted: the buffer that keys / values view (see _append)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -67,12 +69,13 @@ class ProxyKVLayer(DynamicLayer):
         ``keys`` / ``values`` stay views of the buffer's filled part. The buffer is written in place only by the
         layer whose view ends where the buffer's filled part ends; a copy sharing it (a snapshot restored, a
         ``compacted_copy`` twin, a crop) finds another end and moves to a buffer of its own, so that appends never
-        change what another holder sees."""
+        change what another holder sees. The room is at most what compaction freed (``freed``): the buffer never
+        holds more entries than a full layer would."""
         n, T = key_states.shape[-2], self.keys.shape[-2]
         room = self._room
         if room is None or room.fill != T or T + n > room.keys.shape[-2] or \
                 room.keys.data_ptr() != self.keys.data_ptr() or room.keys.shape[:2] != self.keys.shape[:2]:
-            room = self._room = _Room(self.keys, self.values, extra=max(2 * n, self.ROOM))
+            room = self._room = _Room(self.keys, self.values, extra=max(n, min(max(2 * n, self.ROOM), self.freed)))
         room.keys[:, :, T:T + n].copy_(key_states)
         room.values[:, :, T:T + n].copy_(value_states)
         room.fill = T + n
@@ -90,6 +93,7 @@ class ProxyKVLayer(DynamicLayer):
         """
         if indices is not None:
             idx = indices[..., None].expand(-1, -1, -1, self.keys.shape[-1])  # (B, H_kv, K, D)
+            self.freed = self.keys.shape[-2] - indices.shape[-1]
             self.keys = self.keys.gather(2, idx.to(self.keys.device))
             self.values = self.values.gather(2, idx.to(self.values.device))
         self.kept_positions, self.budgets = indices, budgets
@@ -122,9 +126,11 @@ class ProxyKVLayer(DynamicLayer):
         self.cumulative_length += q
         return self.keys, self.values
 
-    def ragged_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def ragged_attention(self, query: torch.Tensor, scaling: float, *, weights: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of ``query`` `(B, H, Q, D)` (the last ``Q`` positions) over each head's own packed entries,
-        causal by position: `(B, H, Q, D)`."""
+        causal by position: the output `(B, H, Q, D)` and, with ``weights``, the attention probabilities over the
+        logical positions `(B, H, Q, L)` (0 at the dropped ones), as eager attention returns them."""
         B, Hq, Q, D = query.shape
         H = self.n_kv_heads
         G = Hq // H
@@ -135,7 +141,12 @@ class ProxyKVLayer(DynamicLayer):
         mine = mine[:, :, None].expand(B, H, G, Q, mine.shape[-1]).reshape(B, H, G * Q, -1)  # (B, H_kv, G*Q, N)
         logits = torch.matmul(query.reshape(B, H, G * Q, D), self.keys[0, 0].transpose(0, 1)).float() * scaling
         probs = logits.masked_fill(~mine, -math.inf).softmax(-1).to(self.values.dtype)  # (B, H_kv, G*Q, N)
-        return torch.matmul(probs, self.values[0, 0]).view(B, Hq, Q, D)
+        out = torch.matmul(probs, self.values[0, 0]).view(B, Hq, Q, D)
+        if not weights:
+            return out, None
+        L = self.cumulative_length
+        logical = probs.new_zeros(B, H, G * Q, L).scatter_add_(-1, self.position.expand(B, H, G * Q, -1), probs)
+        return out, logical.view(B, Hq, Q, L)
 
     def kept_sets(self) -> list[list[torch.Tensor]]:
         """The prompt positions each row keeps per KV head: ``[b][h]`` sorted 1-D tensors."""
@@ -256,6 +267,10 @@ class _Room:
     first ``fill`` entries in use."""
 
     __slots__ = ("keys", "values", "fill")
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, *, extra: int):
         B, H, T, D = keys.shape

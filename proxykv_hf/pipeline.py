@@ -126,7 +126,12 @@ class ProxyKVPipeline:
         return texts[0] if single else texts
 
     def ask(self, context: str, questions: str | list[str], **generate_kwargs) -> str | list[str]:
-        """Compress ``context`` once (query-agnostic) and answer each question from the same compressed cache."""
+        """Compress ``context`` once (query-agnostic) and answer each question from the same compressed cache.
+
+        Returns:
+            one answer per question (a string for a single question); with ``num_return_sequences`` > 1, a list of
+            that many answers in place of each.
+        """
         from .eval.prompts import encode_chat_prompt
 
         single = isinstance(questions, str)
@@ -142,7 +147,8 @@ class ProxyKVPipeline:
         for _, question_ids in parts:
             q = torch.tensor([question_ids])
             ids = answer_from_cache(self.model, cache, ctx, q, **kwargs)
-            answers.append(self.tokenizer.decode(ids[0], skip_special_tokens=True))
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            answers.append(texts if kwargs.get("num_return_sequences", 1) > 1 else texts[0])
         return answers[0] if single else answers
 
 

@@ -10,6 +10,10 @@ scorer's kind (:mod:`proxykv_hf.scorers.base`):
   waiting layers are scored from their stored K/V once it is, at the latest after the last compacted layer;
 * a :class:`ModelScorer` waits for the whole prefill, then scores every layer at once.
 
+A prompt prefilled in chunks (``prefill_chunk_size``, or hand-written forwards after ``prepare``) is scored once its
+last chunk is in; the statistics a layer scorer reads from the prompt's queries are gathered over every chunk
+(:meth:`~proxykv_hf.scorers.base.LayerScorer.chunk_statistics`), so the kept set does not depend on the chunking.
+
 Compaction itself is the cache's (:meth:`ProxyKVCache.select <proxykv_hf.cache.ProxyKVCache.select>`).
 """
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .scorers.base import BackgroundScorer, LayerInputs, ModelScorer
+from .scorers.base import BackgroundScorer, LayerInputs, LayerScorer, ModelScorer
 from .scoring import CHUNK_SIZE, causal_attention_with_statistics, fuses_with_attention
 
 
@@ -27,10 +31,27 @@ class Schedule:
     def __init__(self, cache):
         self.cache, self.scorer = cache, cache.scorer
         self.waiting: list[int] = []  # prefilled layers not compacted yet
+        self.gathered: dict[int, torch.Tensor] = {}  # chunked prefill: each layer's statistics of earlier chunks
 
     def pending(self, layer_idx: int) -> "_Pending":
         """The hand-off for the prefill attention of ``layer_idx``."""
         return _Pending(self, layer_idx)
+
+    def chunk(self, layer_idx: int) -> "_Chunk":
+        """The hand-off for the attention of a prefill chunk that does not end the prompt."""
+        return _Chunk(self, layer_idx)
+
+    def gather(self, layer_idx: int, inputs: LayerInputs, scores_now: bool) -> torch.Tensor | None:
+        """Add one chunk's query statistics to the layer's; return the total when the prompt is complete."""
+        if not isinstance(self.scorer, LayerScorer):
+            return None
+        part = self.scorer.chunk_statistics(inputs)
+        total = self.gathered.pop(layer_idx, None)
+        if part is not None:
+            total = part if total is None else self.scorer.merge_statistics(total, part, inputs.compact_index)
+        if not scores_now and total is not None:
+            self.gathered[layer_idx] = total
+        return total
 
     def attend(self, layer_idx: int, query, key, value, scaling) -> torch.Tensor | None:
         """A plain causal prefill of a layer whose scorer reads statistics of its attention: the output and the
@@ -49,6 +70,9 @@ class Schedule:
 
     def prefilled(self, layer_idx: int, query, key, value, attention_mask, scaling, *, statistics=None) -> None:
         """Layer ``layer_idx`` has run its prefill attention: score and compact it now, or later."""
+        if statistics is None and query.shape[2] < self.cache.prompt.length:  # the last chunk of a chunked prefill
+            statistics = self.gather(layer_idx, self._inputs(layer_idx, scaling, query, key, value, attention_mask),
+                                     scores_now=True)
         self.waiting.append(layer_idx)
         if isinstance(self.scorer, ModelScorer):
             self.after_layer(layer_idx)
@@ -96,6 +120,7 @@ class Schedule:
             raise ValueError(f"{type(self.scorer).__name__} returned scores of shape {got} for layer {layer_idx}, "
                              f"expected {want} (batch, KV heads, prompt tokens)")
         self.cache.select(layer_idx, scores)
+        self.cache.finish_if_compressed()
 
 
 class _Pending:
@@ -116,6 +141,23 @@ class _Pending:
 
     def after(self, module, query, key, value, attention_mask, scaling):
         self.schedule.prefilled(self.layer_idx, query, key, value, attention_mask, scaling)
+
+
+class _Chunk:
+    """Hand-off for the attention of a prefill chunk before the prompt's last: gathers its query statistics."""
+
+    __slots__ = ("schedule", "layer_idx")
+
+    def __init__(self, schedule: Schedule, layer_idx: int):
+        self.schedule, self.layer_idx = schedule, layer_idx
+
+    def before(self, module, attention_mask, query, key):
+        return attention_mask
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        schedule = self.schedule
+        schedule.gather(self.layer_idx, schedule._inputs(self.layer_idx, scaling, query, key, value, attention_mask),
+                        scores_now=False)
 
 
 class SpareSlots:
@@ -149,8 +191,8 @@ class RaggedAttention:
     def before(self, module, attention_mask, query, key):
         return attention_mask
 
-    def replace(self, module, query, key, value, scaling):
-        return self.layer.ragged_attention(query, scaling)
+    def replace(self, module, query, key, value, scaling, *, weights: bool = False):
+        return self.layer.ragged_attention(query, scaling, weights=weights)
 
     def after(self, module, query, key, value, attention_mask, scaling):
         pass

@@ -121,7 +121,7 @@ def test_ragged_attention_by_hand():
     new_k, new_v = torch.randn(B, H, 3, D), torch.randn(B, H, 3, D)
     layer.update(new_k, new_v)
     q = torch.randn(B, H * G, 3, D)
-    got = layer.ragged_attention(q, 0.5)
+    got, _ = layer.ragged_attention(q, 0.5)
     for b in range(B):
         for hq in range(H * G):
             h = hq // G

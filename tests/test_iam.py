@@ -24,8 +24,8 @@ def test_default_alignment_and_scores(target):
     scorer = KVzipIAMScorer(tok, proxy=proxy, chunk_size=32)
     cache = ProxyKVCache(scorer, keep_ratio=0.3)
     target.generate(**inputs, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert scorer.layer_map == [0, 0, 0, 1, 1, 1]  # ceil(l * 2 / 6) - 1
-    assert scorer.head_map == [[0, 0]] * 6  # two target KV heads read the proxy's single KV head
+    assert cache.scorer.layer_map == [0, 0, 0, 1, 1, 1]  # ceil(l * 2 / 6) - 1 (on the cache's own copy)
+    assert cache.scorer.head_map == [[0, 0]] * 6  # two target KV heads read the proxy's single KV head
     assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 2] * 6
     # the kept set is the Top-K of the proxy's KVzip scores of the aligned layer
     y = kvzip_scores(proxy, inputs["input_ids"], inputs["attention_mask"], tokenizer=tok, chunk_size=32)

@@ -420,16 +420,17 @@ def test_pipeline_batches_with_left_padding_and_leaves_the_tokenizer_alone(targe
 
 def test_snapshot_restore(target):
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5)
-    target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
+    first = target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
     state = cache.snapshot()
     before = [layer.keys.clone() for layer in cache.layers], cache.get_seq_length()
-    ids = torch.cat([random_prompt(1, 20)["input_ids"], torch.full((1, 8), 5)], 1)
+    ids = torch.cat([first, torch.full((1, 8), 5)], 1)
     target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3,
                     pad_token_id=0)
     assert cache.get_seq_length() > before[1]
     cache.restore(state)
     assert cache.get_seq_length() == before[1]
     assert all(torch.equal(a, layer.keys) for a, layer in zip(before[0], cache.layers))
+    assert torch.equal(cache.conversation.ids(), first[:, :-1])  # the conversation is back as well
 
 
 @pytest.mark.parametrize("kind", ["self", "layers"])

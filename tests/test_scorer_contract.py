@@ -95,7 +95,8 @@ def test_global_budget_keeps_the_nominal_total(setup, name):
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_wrong_score_shape_is_a_clear_error(setup, name, monkeypatch):
     model, ctx = setup
-    scorer = registry.build(name, ctx)
+    cache = ProxyKVCache(registry.build(name, ctx), keep_ratio=0.3)
+    scorer = cache.scorer  # the cache scores with its own copy
     if isinstance(scorer, ModelScorer):
         real = scorer.score_all
         monkeypatch.setattr(scorer, "score_all", lambda *a: {i: s[..., 1:] for i, s in real(*a).items()})
@@ -104,7 +105,7 @@ def test_wrong_score_shape_is_a_clear_error(setup, name, monkeypatch):
         monkeypatch.setattr(scorer, "score", lambda inputs: real(inputs)[..., 1:])
     inputs = random_prompt(1, 100, seed=9)
     with pytest.raises(ValueError, match=r"returned scores of shape \(1, 2, 99\) .* expected \(1, 2, 100\)"):
-        model.generate(**inputs, past_key_values=ProxyKVCache(scorer, keep_ratio=0.3), **GEN)
+        model.generate(**inputs, past_key_values=cache, **GEN)
 
 
 def test_registry_refuses_bad_names_and_builders():

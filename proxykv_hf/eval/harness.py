@@ -38,7 +38,7 @@ from . import tasks as task_lib
 from ..scorers import registry
 from ..scorers.registry import ScorerContext
 from .methods import (RecordingCache, SharedPrefill, build_method, compacted_batch, compacted_copy, prefill_groups,
-                      row_nbytes)
+                      entry_bytes)
 from .metrics import score_sample
 
 logger = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ class Harness:
         for budget, label, ratio in todo:
             cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio, budget=budget)
             pred, t_answer = self._generate(cache, ctx, q)
-            _write(log, self._record(task, length, idx, sample, label, ratio, pred, ctx, cache.nbytes(),
+            _write(log, self._record(task, length, idx, sample, label, ratio, pred, ctx, entry_bytes(cache),
                                      prefill_s=0.0, answer_s=t_answer))
 
     def _record(self, task, length, idx, sample, label, ratio, pred, ctx, kv_bytes, *, prefill_s, answer_s) -> dict:
@@ -338,7 +338,7 @@ class _MethodRun:
         if cfg.batched and len(batch) > 1:
             cache = compacted_batch(self.base, batch, scorer=self.scorer, scores=self.scores)
             texts, t = h._answer_batch(cache, ctx, q, len(batch))
-            preds.update({("uniform", r): (text, t / len(batch), len(batch), row_nbytes(cache, j))
+            preds.update({("uniform", r): (text, t / len(batch), len(batch), entry_bytes(cache, j))
                           for j, (r, text) in enumerate(zip(batch, texts))})
         valid = torch.ones(1, ctx.shape[1], dtype=torch.bool)
         for budget, label, ratio in todo:
@@ -347,7 +347,7 @@ class _MethodRun:
             else:
                 cache = self.base if self.method == "full" else \
                     compacted_copy(self.base, ratio, budget, scorer=self.scorer, scores=self.scores)
-                (pred, t_answer), rows, kv_bytes = h._answer(cache, ctx, q), None, cache.nbytes()
+                (pred, t_answer), rows, kv_bytes = h._answer(cache, ctx, q), None, entry_bytes(cache)
             rec = h._record(self.task, self.length, self.idx, self.sample, label, ratio, pred, ctx, kv_bytes,
                             prefill_s=self.prefill_s, answer_s=t_answer)
             if rows:

@@ -153,7 +153,7 @@ def compacted_copy(recorded: RecordingCache, keep_ratio: float, budget: str = "u
                        n_recent=max(recorded.n_recent, getattr(scorer, "n_recent", 0)), budget=budget)
     new.layer_class_to_replicate = None
     new.layers = _twin_layers(recorded)
-    new.prompt = recorded.prompt
+    new.prompt, new.conversation = recorded.prompt, copy.copy(recorded.conversation)
     new._budgets = keep_counts(recorded.prompt.valid.sum(-1), keep_ratio, new.n_sink + new.n_recent).cpu()
     for i in sorted(scores):  # the live cache's own selection (uniform or global)
         new.select(i, scores[i])
@@ -180,6 +180,8 @@ def compacted_batch(recorded: RecordingCache, keep_ratios: list[float], *, score
     prompt = recorded.prompt
     ids = None if prompt.input_ids is None else prompt.input_ids.expand(rows, -1)
     new.prompt = Prompt(ids, prompt.valid.expand(rows, -1), prompt.model)
+    new.conversation = copy.copy(recorded.conversation)
+    new.conversation.select_rows(torch.zeros(rows, dtype=torch.long))
     n_real = prompt.valid.sum(-1)
     new._budgets = torch.cat([keep_counts(n_real, r, new.n_sink + new.n_recent).cpu() for r in keep_ratios])
     for i in sorted(scores):
@@ -187,14 +189,21 @@ def compacted_batch(recorded: RecordingCache, keep_ratios: list[float], *, score
     return new
 
 
-def row_nbytes(batch: ProxyKVCache, row: int) -> int:
-    """Bytes of K/V that row ``row`` of a :func:`compacted_batch` cache holds: what the cache of that row's keep
-    ratio alone holds (:meth:`ProxyKVCache.nbytes`), spare slots left out."""
+def entry_bytes(cache, row: int | None = None) -> int:
+    """Bytes of the K/V entries a cache's layers store (the kept prompt entries and the tokens added since): what
+    the evaluation records as ``kv_bytes``. Unlike :meth:`ProxyKVCache.nbytes`, the spare room of the buffers and
+    the index tensors are left out, so that every way of building a method's cache reports the same figure.
+
+    ``row``: of a :func:`compacted_batch` cache, the entries of that row's keep ratio alone (its spare slots left
+    out)."""
     total = 0
-    for layer in batch.layers:
+    for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
             continue
         for t in (layer.keys, layer.values):
+            if row is None:
+                total += t.numel() * t.element_size()
+                continue
             per_entry = t.shape[1] * t.shape[-1] * t.element_size()
             n = int(layer.budgets[row]) if isinstance(layer, ProxyKVLayer) and layer.budgets is not None \
                 else t.shape[-2]

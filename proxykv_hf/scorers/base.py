@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+
+from ..scoring import CHUNK_SIZE, attention_sums
 
 
 @dataclass
@@ -50,16 +53,19 @@ class LayerInputs:
 
     Attributes:
         layer_idx: index of the decoder layer.
-        keys: `(B, H_kv, T, D)` all keys of the prompt (after RoPE).
-        values: `(B, H_kv, T, D)` all values of the prompt.
-        queries: `(B, H, Q, D)` queries of the last prefill forward (Q = T unless the prefill was chunked).
+        keys: `(B, H_kv, T, D)` all keys of the prompt (after RoPE); for one chunk of a chunked prefill
+            (:meth:`LayerScorer.chunk_statistics`), the keys up to the chunk's end.
+        values: `(B, H_kv, T, D)` all values of the prompt (up to the chunk's end, likewise).
+        queries: `(B, H, Q, D)` queries of the last prefill forward (Q = T unless the prefill was chunked), the last
+            ``Q`` positions of ``keys``.
         attention_mask: the mask that forward's attention used (bool, additive float, or None = causal).
         scaling: softmax scale of the layer.
         prompt: the :class:`Prompt`.
         compact_index: position of this layer among the compacted (full-attention) layers.
         statistics: for a :class:`LayerScorer` with ``statistics``, those statistics of the layer's attention
             `(B, S * H, T)` when the cache computed them in the attention's own pass (:func:`~proxykv_hf.scoring.attention_sums` of
-            ``queries`` over ``keys``, no group reduction, padding queries weighted 0); None otherwise.
+            ``queries`` over ``keys``, no group reduction, padding queries weighted 0); after a chunked prefill,
+            what :meth:`LayerScorer.chunk_statistics` gathered over every chunk; None otherwise.
     """
 
     layer_idx: int
@@ -74,7 +80,14 @@ class LayerInputs:
 
     @property
     def valid(self) -> torch.Tensor:
+        """`(B, T)` True on the prompt's real tokens."""
         return self.prompt.valid
+
+    @property
+    def query_valid(self) -> torch.Tensor:
+        """`(B, Q)` True on the real tokens among ``queries`` (the last ``Q`` positions of ``keys``)."""
+        end = self.keys.shape[2]
+        return self.prompt.valid[:, end - self.queries.shape[2]:end]
 
 
 class Scorer:
@@ -128,6 +141,24 @@ class LayerScorer(Scorer):
         """Scores `(B, H_kv, T)` of one layer."""
         raise NotImplementedError(f"{type(self).__name__}.score")
 
+    def chunk_statistics(self, inputs: LayerInputs) -> torch.Tensor | None:
+        """What :meth:`score` reads from the prompt's queries, for one chunk of a chunked prefill (``inputs``: the
+        chunk's queries over the keys up to its end): `(B, X, T_c)`, summed or maximised over the chunks by
+        :meth:`merge_statistics` and handed to :meth:`score` as ``inputs.statistics``. None: nothing from this
+        chunk. Default: the layer's :attr:`statistics` (:func:`~proxykv_hf.scoring.attention_sums`); a scorer
+        that reads ``inputs.queries`` otherwise overrides it (else it would see only the last chunk's queries)."""
+        wanted = self.statistics_for(inputs.compact_index)
+        if not wanted:
+            return None
+        return attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
+                              query_valid=inputs.query_valid.to(inputs.keys.device),
+                              chunk_size=getattr(self, "chunk_size", CHUNK_SIZE), statistics=wanted)
+
+    def merge_statistics(self, total: torch.Tensor, part: torch.Tensor, compact_index: int) -> torch.Tensor:
+        """``total`` and one more chunk's ``part`` (both `(B, X, T_i)`, the shorter padded with zeros at the end):
+        summed for ``"sum"``, maximised for ``"max"`` and ``"lookback"`` (each query's own row appears once)."""
+        return merge_statistics(total, part, self.statistics_for(compact_index))
+
 
 class BackgroundScorer(LayerScorer):
     """A layer scorer whose scores are computed beside the prefill (started by :meth:`prepare`), so that the cache
@@ -144,3 +175,18 @@ class ModelScorer(Scorer):
     def score_all(self, prompt: Prompt, cache) -> dict[int, torch.Tensor]:
         """Scores `(B, H_kv, T)` for every compacted layer index of ``cache`` (``cache.compactable_layers()``)."""
         raise NotImplementedError(f"{type(self).__name__}.score_all")
+
+
+def merge_statistics(total: torch.Tensor, part: torch.Tensor, statistics: tuple[str, ...]) -> torch.Tensor:
+    """Statistics of two sets of queries `(B, S * H, T_i)` (statistic-major, ``statistics`` in order; the shorter
+    padded with zeros at the end) as those of both: sums add, ``"max"`` and ``"lookback"`` take the maximum."""
+    T = max(total.shape[-1], part.shape[-1])
+    total, part = (F.pad(x, (0, T - x.shape[-1])) for x in (total, part))
+    if set(statistics) <= {"sum"}:
+        return total + part
+    H = total.shape[1] // len(statistics)
+    out = torch.empty_like(total)
+    for j, name in enumerate(statistics):
+        a, b = total[:, j * H:(j + 1) * H], part[:, j * H:(j + 1) * H]
+        out[:, j * H:(j + 1) * H] = a + b if name == "sum" else torch.maximum(a, b)
+    return out

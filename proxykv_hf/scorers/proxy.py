@@ -176,6 +176,12 @@ class ProxyScorer(BackgroundScorer):
         clone._features, clone._encoded = {}, None
         return clone
 
+    def __getstate__(self) -> dict:
+        """Pickled without the state of a prompt being scored (side-stream handles, features, scores)."""
+        state = dict(self.__dict__)
+        state.update(_scores=None, _event=None, _future=None, _error=None, _features={}, _encoded=None)
+        return state
+
     def statistics_for(self, compact_index: int) -> tuple[str, ...]:
         """The statistics read from one compacted layer's attention: a self proxy's, on the layers its mapper
         reads (``ProxySpec.layers``); none elsewhere (those layers run the model's own attention)."""
@@ -306,7 +312,7 @@ class ProxyScorer(BackgroundScorer):
                 x = inputs.statistics  # (B, S * H, T), computed in the attention's own pass, or here:
                 if x is None:
                     x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
-                                       query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
+                                       query_valid=inputs.query_valid.to(device),
                                        chunk_size=self.chunk_size, statistics=self.spec.statistics)
                 self._features[self._proxy_of[layer]] = x
             self.checkpoint.to(device)

@@ -6,7 +6,7 @@ import torch
 
 from ..scoring import attention_sums
 from ..selection import check_kernel_size, smooth_scores
-from .base import LayerInputs, LayerScorer
+from .base import LayerInputs, LayerScorer, merge_statistics
 
 
 class SnapKVScorer(LayerScorer):
@@ -26,17 +26,30 @@ class SnapKVScorer(LayerScorer):
         self.n_recent = window
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        q = inputs.queries[:, :, -self.window:]  # (B, H, w, D)
-        w = q.shape[2]
-        mask = None if inputs.attention_mask is None else inputs.attention_mask[:, :, -w:]
-        T = inputs.keys.shape[2]
-        query_valid = inputs.valid[:, T - w:].to(q.device)
-        sums = attention_sums(q, inputs.keys, mask, inputs.scaling, query_valid=query_valid,
-                              chunk_size=self.chunk_size, group_reduce="none")  # (B, H, T)
+        sums = inputs.statistics  # (B, H, T): gathered over the chunks of a chunked prefill
+        if sums is None:
+            sums = self.chunk_statistics(inputs)
         pooled = smooth_scores(sums, inputs.valid, self.kernel_size)  # (B, H, T)
-        B, H, _ = pooled.shape
+        B, H, T = pooled.shape
         H_kv = inputs.keys.shape[1]
         return pooled.view(B, H_kv, H // H_kv, T).mean(dim=2)  # (B, H_kv, T)
+
+    def chunk_statistics(self, inputs: LayerInputs) -> torch.Tensor | None:
+        """Attention of the queries of ``inputs`` that lie in the prompt's last ``window`` positions, summed over
+        them: `(B, H, T_c)` (None when the chunk holds none of them)."""
+        end, Q = inputs.keys.shape[2], inputs.queries.shape[2]
+        first = max(inputs.prompt.length - self.window, end - Q)  # the window's part of this chunk: a suffix
+        if first >= end:
+            return None
+        w = end - first
+        q = inputs.queries[:, :, -w:]  # (B, H, w, D)
+        mask = None if inputs.attention_mask is None else inputs.attention_mask[:, :, -w:]
+        query_valid = inputs.prompt.valid[:, first:end].to(q.device)
+        return attention_sums(q, inputs.keys, mask, inputs.scaling, query_valid=query_valid,
+                              chunk_size=self.chunk_size, group_reduce="none")  # (B, H, T_c)
+
+    def merge_statistics(self, total: torch.Tensor, part: torch.Tensor, compact_index: int) -> torch.Tensor:
+        return merge_statistics(total, part, ("sum",))
 
     def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
         """Each layer's scores over their sum across the layer's heads and real tokens (per row): every layer

@@ -52,7 +52,7 @@ class AttentionStatisticScorer(LayerScorer):
         device = inputs.keys.device
         if x is None:
             x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
-                               query_valid=inputs.valid[:, -inputs.queries.shape[2]:].to(device),
+                               query_valid=inputs.query_valid.to(device),
                                chunk_size=self.chunk_size, statistics=self.statistics)
         B, H, T = x.shape
         H_kv = inputs.keys.shape[1]
