@@ -2,10 +2,11 @@
 
 How to run me::
 
-    python scripts/results_tables.py docs/data/test_2k.jsonl docs/data/test_4k.jsonl --split test \\
+    python scripts/results_tables.py docs/data/test_2k.jsonl.gz docs/data/test_4k.jsonl.gz --split test \\
         --plot docs/accuracy_test_2k.png
 
-Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run. Printed per file and context length
+Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run, as written or gzip-compressed
+(``.jsonl.gz``, as docs/data keeps them). Printed per file and context length
 (:func:`proxykv_hf.eval.report.interval_tables`): every method's accuracy % per keep ratio, its mean over the
 ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, how many of the
 samples the full cache answers fully right each method still answers, and a table per task. ``--plot`` draws the
@@ -17,26 +18,25 @@ samples); ``--paired A B`` adds method A's mean over the ratios minus method B's
 from __future__ import annotations
 
 import argparse
-import json
 
-from proxykv_hf.eval.report import interval_tables, paired_difference, plot
+from proxykv_hf.eval.report import interval_tables, paired_difference, plot, read_records
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="+", help="results.jsonl files of proxykv eval runs")
+    p.add_argument("files", nargs="+", help="results.jsonl (or .jsonl.gz) files of proxykv eval runs")
     p.add_argument("--split", default=None, help="the split the records come from, for the headings")
     p.add_argument("--plot", default=None, help="write the first file's accuracy plot here (PNG)")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates")
     p.add_argument("--merge", action="store_true", help="read all files as one run (e.g. two budgets' records)")
     p.add_argument("--methods", nargs="+", default=None, help="only these methods (the full cache is always kept)")
-    p.add_argument("--tasks", nargs="+", default=None, help="only these tasks (e.g. passkey:filler-test)")
+    p.add_argument("--tasks", nargs="+", default=None, help="only these tasks (e.g. needle:manpages)")
     p.add_argument("--samples", type=int, default=None, help="only the first N samples of each task and length")
     p.add_argument("--paired", nargs=2, metavar=("A", "B"), default=None,
                    help="also print method A's mean minus method B's, paired over the same samples, with its interval")
     ns = p.parse_args(argv)
-    runs = [[json.loads(line) for path in ns.files for line in open(path) if line.strip()]] if ns.merge else \
-        [[json.loads(line) for line in open(path) if line.strip()] for path in ns.files]
+    runs = [[r for path in ns.files for r in read_records(path)]] if ns.merge else \
+        [read_records(path) for path in ns.files]
     if ns.samples is not None:
         runs = [[r for r in records if r["sample"] < ns.samples] for records in runs]
     if ns.tasks:

@@ -47,7 +47,7 @@ def test_groups_and_the_dev_only_rule(swap):
         with pytest.raises(SystemExit, match="not a layer range"):
             swap.parse_group(bad, 30)
     with pytest.raises(SystemExit, match="dev split only"):
-        swap.main(["--tasks", "passkey:filler-test"])
+        swap.main(["--tasks", "letter:everyday-test"])
 
 
 def test_exclusive_tokens_report_where_and_how_common_each_methods_own_tokens_are(swap):

@@ -18,11 +18,15 @@ corpus          split  what                                                 inst
 ``filler-dev``  dev    plain everyday sentences, repeated (written here)    none; Apache-2.0 (this project)
 ``repeats-dev`` dev    the dev sentences as one block, one sentence or a    none; Apache-2.0 (this project)
                        short story repeated in order (written here)
+``filler-dev2`` dev    a second set of plain everyday sentences, the pass   none; Apache-2.0 (this project)
+                       keys' haystack (written here; ``filler-test`` of
+                       the test split until the pass keys moved to dev)
 ``manpages``    test   the Linux man-pages project's pages, roff stripped   ``apt-get install manpages``; GPL-2+ and
                                                                             others (its debian/copyright)
 ``perl``        test   Perl's core modules (code and POD)                   ``apt-get install perl-modules-5.36``;
                                                                             Artistic-1.0 or GPL-1+
-``filler-test`` test   other plain everyday sentences (written here)        none; Apache-2.0 (this project)
+``everyday-test`` test plain sentences of everyday news, as in a letter  none; Apache-2.0 (this project)
+                       or a diary (written here)
 ==============  =====  ===================================================  ========================================
 
 A corpus is a list of documents; a document is split into units (paragraphs of prose or blocks of code, each at
@@ -275,13 +279,64 @@ _FILLER_DEV = (
     "Fresh bread smells wonderful.", "The clock on the wall ticked slowly.", "Clouds drifted over the hills.",
     "The shop on the corner sells newspapers.", "A boat floated near the shore.", "The coffee was still hot.",
 )
-_FILLER_TEST = (
+# the test split's filler until the pass keys had been reported on it twice; now a dev corpus (``filler-dev2``)
+_FILLER_DEV2 = (
     "The meeting started on time.", "Snow covered the mountain tops.", "A bird built a nest in the oak tree.",
     "The market was busy on Saturday.", "She watered the plants on the balcony.", "The road curved along the lake.",
     "Lights came on in the houses one by one.", "The soup needed a little more salt.", "A breeze moved the curtains.",
     "The museum has a new exhibition.", "He read the newspaper at breakfast.", "The river was calm in the evening.",
     "Tomatoes grow well in the sun.", "The old car still runs fine.", "The students finished their homework.",
     "The moon rose above the trees.", "The neighbors painted their fence white.", "Music played from an open window.",
+)
+_EVERYDAY_TEST = (  # the ``letter`` family's haystack: no digits, no names, no number words
+    "We finally cleared out the garden shed last weekend.", "The roses by the fence have started to bloom again.",
+    "I have been reading a lot in the evenings.", "The weather here has been mild and a little windy.",
+    "Our street is being resurfaced, so the mornings are noisy.",
+    "I tried a new recipe for lentil soup and it turned out well.",
+    "The cat has taken to sleeping on top of the wardrobe.", "We walked along the canal on Sunday afternoon.",
+    "The corner shop has changed hands and sells fresh flowers now.", "I am still learning to knit, though slowly.",
+    "The apple tree gave us more fruit than we could eat.", "My knees complain on the stairs these days.",
+    "The village hall is hosting a quiz every Friday.", "We repainted the hallway a soft shade of blue.",
+    "The neighbours' children have learned to ride their bikes.", "I found an old postcard tucked inside a cookbook.",
+    "It rained so hard on Tuesday that the gutters overflowed.", "The library now stays open late on Thursdays.",
+    "We have been eating dinner outside while it stays light.",
+    "The new coffee shop by the square makes excellent scones.",
+    "I mended the torn curtain in the spare bedroom.", "The swallows are back under the eaves.",
+    "Our old radio finally gave up, so we listen to the news online.", "The river path is muddy after all the rain.",
+    "I have started swimming at the public pool before work.",
+    "The plum jam did not set, but it tastes lovely on yoghurt.",
+    "A hedgehog has been visiting the back garden at night.", "We borrowed a ladder to clean the upstairs windows.",
+    "The farmers' market was crowded but cheerful.", "I lost my reading glasses and found them in the fridge.",
+    "The tomatoes on the windowsill are finally turning red.",
+    "Everyone at work is talking about the summer holidays.",
+    "The baker down the road retired and his daughter runs the shop now.",
+    "We watched an old film and fell asleep halfway through.", "The wind blew the washing off the line again.",
+    "I planted sweet peas along the back wall.", "Our kitchen tap drips no matter how tightly I turn it.",
+    "The park has new benches near the duck pond.", "I went to a pottery class and made a lopsided bowl.",
+    "The house smells of woodsmoke whenever the stove is lit.", "A robin follows me around while I dig.",
+    "Choir practice ran late and we walked home under the stars.",
+    "I spent a quiet afternoon sorting through old letters.", "The hedge needs trimming before it swallows the gate.",
+    "Our car made a strange noise, but the mechanic found nothing wrong.",
+    "The strawberries were small this year but very sweet.",
+    "I have finally finished the jigsaw puzzle on the dining table.",
+    "The evenings are drawing in and the lamps go on earlier.",
+    "We had a picnic on the hill and the wasps found us quickly.",
+    "The old oak at the end of the lane lost a branch in the storm.",
+    "I bought a bicycle from a neighbour and ride it to the shops.",
+    "The people across the road threw a party and invited the whole street.",
+    "My sourdough starter is bubbling away on the counter.", "Frost left patterns on the windows this morning.",
+    "We cleaned out the pond and found a lost tennis ball.", "The post arrives later than it used to.",
+    "I have been going to bed early and waking with the birds.",
+    "The cherry blossom covered the pavement like snow.", "Our dog refuses to walk in the rain.",
+    "The museum in town put up an exhibition of local paintings.", "I made far too much stew and froze the rest.",
+    "The garden centre had a sale on bulbs.", "We are thinking of keeping chickens in the spring.",
+    "The evenings have been lovely for walks by the sea.",
+    "I dropped a whole tray of biscuits on the kitchen floor.", "A herd of cows blocked the lane for a while.",
+    "The kettle has grown a crust of limescale.", "I found mushrooms growing under the back steps.",
+    "Our window box of herbs is doing better than expected.", "We spent a rainy afternoon playing cards.",
+    "The stall at the end of the market sells the best honey I have tasted.",
+    "I cut my hair short and everyone noticed.", "The heating clanks every morning before it warms up.",
+    "We saw a heron standing very still in the shallows.", "The school down the road held its summer fair.",
 )
 
 
@@ -349,13 +404,19 @@ for _corpus in (
            description="plain sentences as one block, one sentence or a short story repeated (dev set)",
            licence="Apache-2.0 (this project)", install="(built in)", load=_repeats(_FILLER_DEV, _STORIES_DEV, "dev"),
            joiner=" "),
+    # seeded as when it was the test split's ``filler-test``: the same documents the pass-key records drew from
+    Corpus(name="filler-dev2", split="dev",
+           description="a second set of plain everyday sentences, the pass keys' haystack (dev set)",
+           licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_DEV2, "test"),
+           joiner=" "),
     Corpus(name="manpages", split="test", description="Linux man-pages project, sections 2-7 (roff stripped)",
            licence="GPL-2+ and others (/usr/share/doc/manpages/copyright)", install="apt-get install manpages",
            load=_manpages),
     Corpus(name="perl", split="test", description="Perl core modules (code and POD)",
            licence="Artistic-1.0 or GPL-1+", install="apt-get install perl-modules-5.36", load=_perl),
-    Corpus(name="filler-test", split="test", description="plain everyday sentences (test set)",
-           licence="Apache-2.0 (this project)", install="(built in)", load=_filler(_FILLER_TEST, "test"),
-           joiner=" "),
+    Corpus(name="everyday-test", split="test",
+           description="plain sentences of everyday news, as in a letter or a diary (test set)",
+           licence="Apache-2.0 (this project)", install="(built in)",
+           load=_filler(_EVERYDAY_TEST, "everyday-test"), joiner=" "),
 ):
     register_corpus(_corpus)

@@ -15,6 +15,9 @@ Families:
 * ``qa``: a short document about a fictional entity (and two about others) inside the text, one attribute asked.
 * ``passkey``: a number stated and repeated as a pass key or code inside plain sentences, asked without a hint
   of where it was.
+
+The ``letter`` family (a fact stated once in a letter or a diary, asked in other words) is in
+:mod:`proxykv_hf.eval.letters`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,37 @@
-"""Tables and plots from a harness run's ``results.jsonl``."""
+"""Tables and plots from a harness run's ``results.jsonl`` (or records kept gzip-compressed, ``.jsonl.gz``)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import warnings
 from collections import defaultdict
 from pathlib import Path
+from typing import IO
 
 logger = logging.getLogger(__name__)
 
 
+def open_records(path: str | Path, mode: str = "rt") -> IO[str]:
+    """A JSON-lines file of records, text mode: gzip-compressed when its name ends in ``.gz``. Appending
+    (``mode="at"``) to a ``.gz`` file adds a gzip member, which every reader sees as the same one stream."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    return opener(path, mode, encoding="utf-8")
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a ``.jsonl`` or ``.jsonl.gz`` file, one dict per non-empty line."""
+    with open_records(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
 def load_results(out_dir: str | Path) -> list[dict]:
+    """The records of a run directory's ``results.jsonl`` (or ``results.jsonl.gz`` when only that is there)."""
     path = Path(out_dir) / "results.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.exists() and path.with_suffix(".jsonl.gz").exists():
+        path = path.with_suffix(".jsonl.gz")
+    return read_records(path)
 
 
 def _mean(values) -> float:

@@ -314,15 +314,20 @@ TASK_FAMILIES: dict[str, tuple[str, ...]] = {
 
 def task_fn(task: str) -> TaskFn:
     """The generator of ``task``: a key of :data:`TASKS`, or ``"family:corpus"`` for a task over real text
-    (:mod:`proxykv_hf.eval.realtext`); ``ValueError`` for anything else."""
+    (:mod:`proxykv_hf.eval.realtext`, :mod:`proxykv_hf.eval.letters`); ``ValueError`` for anything else (and for
+    the ``letter`` family over a corpus outside the test split)."""
     if task in TASKS:
         return TASKS[task]
     family, _, corpus = task.partition(":")
-    from . import corpora, realtext
+    from . import corpora, letters, realtext
 
-    if not corpus or family not in realtext.FAMILIES or corpus not in corpora.CORPORA:
+    families = realtext.FAMILIES + letters.FAMILIES
+    if not corpus or family not in families or corpus not in corpora.CORPORA:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)} or 'family:corpus' with a family "
-                         f"from {', '.join(realtext.FAMILIES)} and a corpus from {', '.join(corpora.CORPORA)}")
+                         f"from {', '.join(families)} and a corpus from {', '.join(corpora.CORPORA)}")
+    if family in letters.FAMILIES:
+        letters.check_corpus(corpus)
+        return functools.partial(letters.make_sample, corpus)
     return functools.partial(realtext.make_sample, family, corpus)
 
 
