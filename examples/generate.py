@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 
 from proxykv_hf import ProxyKVCache
+from proxykv_hf.compat import with_cache
 from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER
 from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
 
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> str:
     inputs = tok.apply_chat_template([{"role": "user", "content": f"{document}\n\n{args.question}"}],
                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
     cache = ProxyKVCache.from_pretrained(args.mapper, keep_ratio=args.keep_ratio)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False)
+    out = model.generate(**inputs, **with_cache(cache), max_new_tokens=args.max_new_tokens, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
     n = inputs["input_ids"].shape[1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from dataclasses import replace
 
 import torch
@@ -26,13 +27,14 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import attention, candidates
-from .conversation import START_OVER, Conversation
-from .layer import ProxyKVLayer
+from .conversation import START_OVER, Conversation, check_fed, check_prompt_forward
+from .fingerprints import describe_model
+from .layer import ProxyKVLayer, held_tensors
 from .prompt import SUPPORTED_FAMILIES, check_prompt, make_prompt, running_forward
 from .schedule import RaggedAttention, Schedule, SpareSlots
 from .scorers.base import LayerScorer, ModelScorer, Prompt, Scorer
 from .scoring import FusedStatistics
-from .selection import BUDGETS, check_keep_ratio, keep_counts, select_global, select_topk
+from .selection import BUDGETS, check_keep_ratio, global_keep, keep_counts, select_topk
 
 __all__ = ["DEFAULT_KEEP_RATIO", "ProxyKVCache", "ProxyKVLayer", "SUPPORTED_FAMILIES"]
 
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KEEP_RATIO = 0.3
 """The keep ratio of a cache built without one (the paper's main setting)."""
 
-_TRANSIENT = ("_call_ids", "_split", "_new_call")  # per-call handles: never copied, pickled or snapshotted
+_TRANSIENT = ("_call_ids", "_split", "_new_call", "_first_of_call")  # per-call: never copied, pickled or snapshotted
 
 
 class ProxyKVCache(DynamicCache):
@@ -66,7 +68,7 @@ class ProxyKVCache(DynamicCache):
     Example::
 
         cache = ProxyKVCache(SnapKVScorer(), keep_ratio=0.3)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= before transformers 5.24
 
     A cache compresses once, on its first prefill, and holds one conversation: calling ``generate`` again with the
     same cache continues it (the new prompt must start with every token the cache holds, generated ones included);
@@ -138,7 +140,9 @@ class ProxyKVCache(DynamicCache):
         self._scored: dict[int, torch.Tensor] = {}  # global budget: each layer's scores until all are in
         self._call_ids = None  # the prompt of the generate call last checked (identity: same call)
         self._new_call = False  # generate announced a new call (see _is_user_defined)
+        self._first_of_call = False  # the next forward is the first of a generate call
         self._split = None  # candidates.FirstVerification while one is armed
+        self._model_ref = self._model_description = None  # the model that filled the cache (weakly), described
         self.conversation.clear()
 
     def reset(self) -> None:
@@ -162,6 +166,7 @@ class ProxyKVCache(DynamicCache):
             return
         self._new_call, self._call_ids = False, call.input_ids
         self._check_call(call, self._held())
+        self._first_of_call = True
 
     def _held(self) -> int:
         """Tokens the cache holds; the conversation is marked unknown if its layers were filled behind its back."""
@@ -170,6 +175,14 @@ class ProxyKVCache(DynamicCache):
             self.conversation.clear()
             self.conversation.append(None, held)
         return held
+
+    def model_description(self) -> dict | None:
+        """What a saved context records of the model that filled this cache
+        (:func:`~proxykv_hf.fingerprints.describe_model`), worked out when first asked; None when unknown."""
+        model = None if self._model_ref is None else self._model_ref()
+        if self._model_description is None and model is not None:
+            self._model_description = describe_model(model)
+        return self._model_description
 
     def compressing(self) -> bool:
         """Whether the cache is between the first forward of its prompt and the last layer's compaction."""
@@ -201,6 +214,7 @@ class ProxyKVCache(DynamicCache):
 
     def _start(self, prompt: Prompt) -> None:
         n_real = check_prompt(prompt, self.scorer)
+        self._model_ref, self._model_description = weakref.ref(prompt.model), None
         attention.use_proxykv_attention(prompt.model)
         if self.layer_class_to_replicate is not None and not self.layers:  # no config given: the model's layout
             self.layers = DynamicCache(config=prompt.model.config).layers
@@ -229,6 +243,10 @@ class ProxyKVCache(DynamicCache):
             self._new_call, self._call_ids = False, call.input_ids
             self._check_call(call, held)
             held = self.get_seq_length()
+            self._first_of_call = True
+        if self._first_of_call and call is not None:
+            self._first_of_call = False
+            check_fed(call.input_ids, call.length, ids, held)
         if self.prompt is None:
             if forward is None:
                 raise ValueError("ProxyKVCache could not find the model running this forward (called outside a "
@@ -240,7 +258,7 @@ class ProxyKVCache(DynamicCache):
                                  "before the forward (or pass input_ids).")
             self._start(make_prompt(forward.input_ids, forward.attention_mask, forward.model))
         if self.compressing() or self._prepared:
-            self._check_prompt_forward(ids, held, n)
+            check_prompt_forward(self.prompt.input_ids, self.prompt.length, ids, held, n)
         self._prepared = False
         self.conversation.append(ids, n)
 
@@ -260,18 +278,6 @@ class ProxyKVCache(DynamicCache):
             factor = self.conversation.check(call.input_ids)
             if factor > 1:
                 self.batch_repeat_interleave(factor)
-
-    def _check_prompt_forward(self, ids: torch.Tensor | None, held: int, n: int) -> None:
-        """A forward of the prompt being compressed must feed its next tokens, and not run past its end."""
-        length = self.prompt.length
-        if held + n > length:
-            raise ValueError(f"this forward feeds {n} tokens on top of {held}, past the end of the prompt being "
-                             f"compressed ({length} tokens): feed the prompt alone first (a cache compresses the "
-                             f"prompt it was given, then keeps later tokens in full). {START_OVER}")
-        want = self.prompt.input_ids
-        if ids is not None and want is not None and not torch.equal(ids.to(want.device), want[:, held:held + n]):
-            raise ValueError(f"this forward feeds other tokens than positions {held}-{held + n - 1} of the prompt "
-                             f"being compressed (given to prepare() or generate()). {START_OVER}")
 
     # ----------------------------------------------------------------------------------------------- update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -351,7 +357,8 @@ class ProxyKVCache(DynamicCache):
         self.conversation.select_rows(rows)
         if self.prompt is not None:
             ids = None if self.prompt.input_ids is None else self.prompt.input_ids[rows.to(self.prompt.valid.device)]
-            self.prompt = replace(self.prompt, input_ids=ids, valid=self.prompt.valid[rows.to(self.prompt.valid.device)])
+            valid = self.prompt.valid[rows.to(self.prompt.valid.device)]
+            self.prompt = replace(self.prompt, input_ids=ids, valid=valid)
 
     def _refuse_mid_prefill(self, what: str) -> None:
         if self.compressing():
@@ -410,7 +417,7 @@ class ProxyKVCache(DynamicCache):
         the conversation (a few bytes per token) are not counted."""
         seen, total = set(), 0
         for layer in self.layers:
-            for t in _tensors_of(layer):
+            for t in held_tensors(layer):
                 storage = t.untyped_storage()
                 key = (t.device, storage.data_ptr(), storage.nbytes())
                 if t.device.type != "meta" and key not in seen:
@@ -433,33 +440,46 @@ class ProxyKVCache(DynamicCache):
         for key, value in self._state("copy").items():
             new.__dict__[key] = value.fresh() if key == "scorer" and value is not None else copy.deepcopy(value, memo)
         new._call_ids = new._split = None
-        new._new_call = True
+        new._new_call, new._first_of_call = True, False
         return new
 
     def __getstate__(self) -> dict:
-        return self._state("pickle")
+        state = self._state("pickle")
+        state.update(_model_description=self.model_description(), _model_ref=None)  # a weak reference does not pickle
+        return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._call_ids = self._split = None
-        self._new_call = True
+        self._new_call, self._first_of_call = True, False
 
+    # ----------------------------------------------------------------------------------------------- on disk
+    def save_context(self, path: str, tokenizer=None):
+        """Save what the cache holds after its first prefill to the directory ``path`` (a str or path), whole or not
+        at all; ``tokenizer`` is fingerprinted when given (:func:`proxykv_hf.contexts.save_context`)."""
+        from .contexts import save_context
 
-def _tensors_of(layer):
-    """Every tensor a cache layer holds (its attributes, and the buffers of a compacted layer's spare room)."""
-    for value in vars(layer).values():
-        if isinstance(value, torch.Tensor):
-            yield value
-        else:
-            yield from (t for t in getattr(value, "tensors", ()) if isinstance(t, torch.Tensor))
+        return save_context(self, path, tokenizer)
 
+    @classmethod
+    def load_context(cls, path: str, model, tokenizer=None, *, scorer: Scorer | None = None,
+                     dtype: str = "refuse") -> "ProxyKVCache":
+        """A cache on ``model`` that continues exactly where the one saved at ``path`` stood (its K/V, kept positions
+        and token ids). Refuses, naming the file, another model, tokenizer, dtype (unless ``dtype="convert"``) or
+        scorer, a newer format and damaged files (:func:`proxykv_hf.contexts.read_context`)."""
+        from .contexts import read_context
 
-def global_keep(scorer: Scorer, scores: dict[int, torch.Tensor], valid: torch.Tensor, keep_ratio: float, n_sink: int,
-                n_recent: int) -> dict[int, torch.Tensor]:
-    """``{layer: (B, H_kv, T) keep mask}`` of the global budget, from each layer's scores made comparable by the
-    scorer (:meth:`~proxykv_hf.scorers.base.Scorer.global_scores`)."""
-    layers = sorted(scores)
-    device = scores[layers[0]].device
-    comparable = scorer.global_scores({i: scores[i] for i in layers}, valid.to(device))
-    keep = select_global([comparable[i] for i in layers], keep_ratio, valid.to(device), n_sink, n_recent)
-    return dict(zip(layers, keep))
+        return read_context(path, model, tokenizer, cache_class=cls, scorer=scorer, dtype=dtype).cache
+
+    def save_pretrained(self, directory: str):
+        """The scorer's mapper checkpoint with its settings (:meth:`ProxyScorer.save_pretrained
+        <proxykv_hf.scorers.proxy.ProxyScorer.save_pretrained>`); :meth:`push_to_hub` uploads it."""
+        if not hasattr(self.scorer, "save_pretrained"):
+            raise ValueError(f"{type(self.scorer).__name__} has no checkpoint to save (a ProxyScorer's mapper has)")
+        return self.scorer.save_pretrained(directory)
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Upload what :meth:`save_pretrained` writes to the Hub repository ``repo_id``; returns the commit URL."""
+        if not hasattr(self.scorer, "push_to_hub"):
+            raise ValueError(f"{type(self.scorer).__name__} has no checkpoint to push (a ProxyScorer's mapper has)")
+        return self.scorer.push_to_hub(repo_id, **kwargs)

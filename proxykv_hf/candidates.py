@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .compat import cache_of
 from .conversation import START_OVER
 
 
@@ -47,7 +48,7 @@ class FirstVerification:
             self.cache._split = None
 
     def _before(self, module, args, kwargs):
-        if kwargs.get("past_key_values") is not self.cache:
+        if cache_of(kwargs) is not self.cache:
             return None  # another cache's forward (e.g. a helper model's): not ours to split
         self._pre.remove()
         ids, held = kwargs.get("input_ids"), self.cache.get_seq_length()
@@ -79,7 +80,7 @@ class FirstVerification:
         return None
 
     def _after(self, module, args, kwargs, output):
-        if self._inner or kwargs.get("past_key_values") is not self.cache:
+        if self._inner or cache_of(kwargs) is not self.cache:
             return None
         self.remove()
         if self.logits is not None:

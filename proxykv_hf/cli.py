@@ -2,6 +2,8 @@
 
     proxykv demo                         # the bundled SmolLM2 + ProxyKV on a ~4k-token needle prompt
     proxykv generate --method snapkv --keep-ratio 0.3 --prompt "..."
+    proxykv compress --prompt-file doc.txt --out ctx/      # compress once, save (docs/design.md)
+    proxykv generate --context ctx/ --question "..."       # answer from the saved context, in any later process
     proxykv eval --methods full kvzip snapkv --keep-ratios 0.1 0.3 --tasks niah_single_1 --n-samples 5
     proxykv build-data --tasks niah_single_1 qa --n-per-task 20 --tokens 2048 --out runs/data
     proxykv train --data runs/data --out runs/mapper
@@ -28,9 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, default_device,
-                          device_arg, dtype_of, field_docs, field_overrides, from_args, keep_ratio_arg, load,
-                          mapper_for, mapper_overrides, out_dir_arg, text_file_arg)
+from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
+                          default_device, device_arg, dtype_of, field_docs, field_overrides, from_args, keep_ratio_arg,
+                          load, mapper_for, mapper_overrides, out_dir_arg, text_file_arg)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
@@ -61,25 +63,72 @@ def _pool_arg(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def cmd_generate(ns) -> int:
+def _pipeline(ns, model, tok, tmp: str, **cache_kwargs):
+    """The pipeline of ``--method`` / ``--keep-ratio`` (and ``--mapper``, ``--pool-kernel``, ``--layer-mix``)."""
     from .pipeline import ProxyKVPipeline
     from .scorers import ScorerContext, registry
 
+    mapper = mapper_for(ns, model, tmp) if ns.method == "proxykv" else None
+    scorer = registry.build(ns.method, ScorerContext(model=model, tokenizer=tok, mapper=mapper,
+                                                     pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix))
+    return ProxyKVPipeline(model, tok, scorer, keep_ratio=1.0 if scorer is None else ns.keep_ratio, **cache_kwargs)
+
+
+def _prompt_text(ns) -> str:
+    prompt = Path(ns.prompt_file).read_text() if ns.prompt_file else ns.prompt
+    if prompt is None:
+        raise ValueError("give --prompt or --prompt-file")
+    return prompt
+
+
+def _model_of_context(ns) -> None:
+    """``--model`` / ``--dtype`` left out with ``--context``: those the saved context names (:func:`load` takes the
+    defaults where they are still None)."""
+    from .contexts import read_header
+
+    saved = read_header(ns.context)
+    if ns.model is None and not ns.tiny and not saved["model"].get("name"):
+        raise ValueError(f"the context {ns.context} does not name its model (one built from a config); pass --model "
+                         "(or --tiny)")
+    ns.model = ns.model or saved["model"]["name"]
+    ns.dtype = ns.dtype or saved["dtype"]
+
+
+def cmd_generate(ns) -> int:
+    from .compressed import CompressedContext
+    from .pipeline import ProxyKVPipeline
+
+    if ns.context is not None and (ns.prompt is not None or ns.prompt_file is not None or not ns.question):
+        raise ValueError("--context answers --question from a saved context: give --question, and no --prompt or "
+                         "--prompt-file")
+    if ns.context is not None:
+        _model_of_context(ns)
     model, tok = load(ns)
+    if ns.context is not None:
+        context = CompressedContext.load(ns.context, model, tok)
+        print(ProxyKVPipeline(model, tok).ask(context, ns.question, max_new_tokens=ns.max_new_tokens))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
-        mapper = mapper_for(ns, model, tmp) if ns.method == "proxykv" else None
-        scorer = registry.build(ns.method, ScorerContext(model=model, tokenizer=tok, mapper=mapper,
-                                                         pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix))
-        pipe = ProxyKVPipeline(model, tok, scorer, keep_ratio=1.0 if scorer is None else ns.keep_ratio)
-        prompt = Path(ns.prompt_file).read_text() if ns.prompt_file else ns.prompt
-        if prompt is None:
-            raise ValueError("give --prompt or --prompt-file")
+        pipe = _pipeline(ns, model, tok, tmp)
+        prompt = _prompt_text(ns)
         if ns.question:
             print(pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
         else:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                            add_generation_prompt=True) if tok.chat_template else prompt
             print(pipe(text, max_new_tokens=ns.max_new_tokens))
+    return 0
+
+
+def cmd_compress(ns) -> int:
+    model, tok = load(ns)
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe = _pipeline(ns, model, tok, tmp, budget=ns.budget)
+        context = pipe.compress(_prompt_text(ns))
+    path = context.save(ns.out)
+    print(json.dumps({"out": str(path), "tokens": context.num_tokens, "kv_bytes": context.nbytes,
+                      "disk_bytes": sum(f.stat().st_size for f in path.iterdir()), "method": ns.method,
+                      "keep_ratio": context.cache.keep_ratio, "budget": ns.budget}))
     return 0
 
 
@@ -224,10 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3,
                    help="share of the prompt's K/V each method keeps, in (0, 1]")
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
-    p.add_argument("--task", default="passkey:filler-test",
-                   help="the prompt's task (default: the test split's pass key in plain sentences)")
-    p.add_argument("--seed", type=int, default=SPLITS["test"].seed,
-                   help="task seed (default: the test split's, which no training text or choice used)")
+    p.add_argument("--task", default="passkey:filler-dev2",
+                   help="the prompt's task (default: the dev split's pass key in plain sentences)")
+    p.add_argument("--seed", type=int, default=SPLITS["dev"].seed,
+                   help="task seed (default: the dev split's, which no training text used)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")
@@ -239,8 +288,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", type=text_file_arg,
                    help="a text file holding the prompt (read instead of --prompt)")
     p.add_argument("--question", nargs="+", help="questions asked on the compressed prompt (query-agnostic)")
+    p.add_argument("--context", type=context_dir_arg, default=None,
+                   help="answer --question from a context saved by `proxykv compress` (its model and dtype unless "
+                        "--model / --dtype are given; --method and --keep-ratio are the context's own)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap")
-    p.set_defaults(fn=cmd_generate)
+    p.set_defaults(fn=cmd_generate, model=None, dtype=None)
+
+    p = sub.add_parser("compress", help="compress a long prompt once and save it, for `generate --context`")
+    _common(p)
+    _pool_arg(p)
+    p.add_argument("--method", default="proxykv", choices=METHODS)
+    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3, help="share of the prompt's K/V kept, in (0, 1]")
+    p.add_argument("--budget", default="uniform", choices=["uniform", "global"],
+                   help="the same share for every KV head, or ranked over all layers and heads together")
+    p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
+    p.add_argument("--prompt-file", type=text_file_arg,
+                   help="a text file holding the prompt (read instead of --prompt)")
+    p.add_argument("--out", type=out_dir_arg, required=True,
+                   help="directory of the saved context (a new or empty one, or a context saved before)")
+    p.set_defaults(fn=cmd_compress)
 
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)

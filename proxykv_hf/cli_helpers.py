@@ -88,6 +88,15 @@ def checkpoint_arg(text: str) -> str:
     return text
 
 
+def context_dir_arg(text: str) -> str:
+    """A saved context (``--context``): an existing directory."""
+    path = os.path.expanduser(text)
+    if not os.path.isdir(path):
+        what = "is a file, not a saved context directory" if os.path.exists(path) else "does not exist"
+        raise argparse.ArgumentTypeError(f"context directory {text!r} {what}")
+    return path
+
+
 def out_dir_arg(text: str) -> str:
     """An output directory: new, or an existing directory (its files are overwritten), never an existing file."""
     if os.path.exists(text) and not os.path.isdir(text):
@@ -166,16 +175,17 @@ def default_device(ns) -> str:
 
 
 def load(ns) -> tuple:
-    """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default, in ``--dtype`` on ``--device``
-    (:func:`default_device` where that is None)."""
+    """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default, in ``--dtype`` (float32 where that is
+    None) on ``--device`` (:func:`default_device` where that is None)."""
     device = getattr(ns, "device", None) or default_device(ns)
+    dtype = dtype_of(getattr(ns, "dtype", None) or "float32")
     if getattr(ns, "tiny", False):
         from .testing import tiny_model, tiny_tokenizer
 
-        return tiny_model("llama", num_hidden_layers=4, dtype=dtype_of(ns.dtype), device=device), tiny_tokenizer()
-    from .models import load_model_and_tokenizer
+        return tiny_model("llama", num_hidden_layers=4, dtype=dtype, device=device), tiny_tokenizer()
+    from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
-    return load_model_and_tokenizer(ns.model, dtype=dtype_of(ns.dtype), device=device)
+    return load_model_and_tokenizer(getattr(ns, "model", None) or DEFAULT_MODEL, dtype=dtype, device=device)
 
 
 def tiny_mapper_checkpoint(model, directory: str) -> str:

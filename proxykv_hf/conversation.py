@@ -96,8 +96,8 @@ class Conversation:
                              f"checked that they continue its conversation. Pass input_ids. {START_OVER}")
         ids = self.ids()
         if ids is None:
-            raise ValueError(f"this ProxyKVCache holds {held} tokens that came as inputs_embeds: their ids are unknown, "
-                             f"so it cannot be checked that a new prompt continues them. {START_OVER}")
+            raise ValueError(f"this ProxyKVCache holds {held} tokens that came as inputs_embeds: their ids are "
+                             f"unknown, so it cannot be checked that a new prompt continues them. {START_OVER}")
         B, N = ids.shape[0], prompt.shape[-1]
         if prompt.shape[0] % B:
             raise ValueError(f"{what} a batch of {prompt.shape[0]} rows, but this ProxyKVCache holds a conversation "
@@ -116,3 +116,27 @@ class Conversation:
                              f"{row} is different at token {pos} (the cache holds {held} tokens: its compressed "
                              f"prompt and what was appended since). {START_OVER}")
         return factor
+
+
+def check_fed(prompt: torch.Tensor | None, length: int, ids: torch.Tensor | None, held: int) -> None:
+    """The first forward of a ``generate`` call on a cache holding ``held`` tokens must feed the call's ``prompt``
+    `(B, length)` tokens after those (it may feed candidates beyond the prompt's end); ``ids``: what it feeds."""
+    m = 0 if ids is None or prompt is None else min(ids.shape[-1], length - held)
+    want = None if m <= 0 or held == 0 else prompt[:, held:held + m]
+    if want is not None and not torch.equal(ids[:, :m].to(want.device), want):
+        raise ValueError(f"generate() fed this ProxyKVCache other tokens than those of its prompt after the {held} "
+                         f"the cache holds (transformers releases before 5.23 feed the whole prompt again when a "
+                         f"continued conversation is prefilled in chunks: drop prefill_chunk_size there). "
+                         f"{START_OVER}")
+
+
+def check_prompt_forward(prompt: torch.Tensor | None, length: int, ids: torch.Tensor | None, held: int, n: int) -> None:
+    """A forward of the prompt being compressed (``prompt`` `(B, length)`, of which ``held`` tokens are in) must feed
+    its next ``n`` tokens (``ids``, when known), and not run past its end."""
+    if held + n > length:
+        raise ValueError(f"this forward feeds {n} tokens on top of {held}, past the end of the prompt being "
+                         f"compressed ({length} tokens): feed the prompt alone first (a cache compresses the "
+                         f"prompt it was given, then keeps later tokens in full). {START_OVER}")
+    if ids is not None and prompt is not None and not torch.equal(ids.to(prompt.device), prompt[:, held:held + n]):
+        raise ValueError(f"this forward feeds other tokens than positions {held}-{held + n - 1} of the prompt "
+                         f"being compressed (given to prepare() or generate()). {START_OVER}")

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .cache import ProxyKVCache
+from .compat import with_cache
 from .eval import tasks as task_lib
 from .eval.methods import build_method
 from .eval.metrics import score_sample
@@ -32,7 +33,7 @@ def _first_token_time(model, cache, ctx, q) -> float:
     ids = q.to(ctx.device)
     n = cache.get_seq_length()
     t0 = time.perf_counter()
-    model(input_ids=ids, past_key_values=cache, position_ids=torch.arange(n, n + ids.shape[1])[None],
+    model(input_ids=ids, **with_cache(cache), position_ids=torch.arange(n, n + ids.shape[1])[None],
           logits_to_keep=1)
     seconds = time.perf_counter() - t0
     cache.restore(state)

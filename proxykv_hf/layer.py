@@ -279,3 +279,12 @@ class _Room:
         self.keys[:, :, :T].copy_(keys)
         self.values[:, :, :T].copy_(values)
         self.fill = T
+
+
+def held_tensors(layer):
+    """Every tensor a cache layer holds (its attributes, and the buffers of a compacted layer's spare room)."""
+    for value in vars(layer).values():
+        if isinstance(value, torch.Tensor):
+            yield value
+        else:
+            yield from (t for t in getattr(value, "tensors", ()) if isinstance(t, torch.Tensor))

@@ -17,6 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, TextGenerationPipeline
 
 from .cache import ProxyKVCache
+from .compat import with_cache
+from .compressed import CompressedContext, encode_context
 from .scorers.base import Scorer
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ def compress_context(model, cache: ProxyKVCache, input_ids: torch.Tensor,
         attention_mask = torch.ones_like(input_ids)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     cache.prepare(model, input_ids, attention_mask)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **with_cache(cache),
           use_cache=True, logits_to_keep=1)
     return cache
 
@@ -79,7 +81,7 @@ def answer_from_cache(model, cache: ProxyKVCache, context_ids: torch.Tensor, que
     state = cache.snapshot()
     ids = torch.cat([context_ids, question_ids.to(context_ids.device)], dim=1)
     try:
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
                              **generate_kwargs)
     finally:
         cache.restore(state)
@@ -120,13 +122,27 @@ class ProxyKVPipeline:
         n = max(map(len, rows))
         ids = torch.tensor([[self.pad_token_id] * (n - len(r)) + r for r in rows], device=self.model.device)
         mask = torch.tensor([[0] * (n - len(r)) + [1] * len(r) for r in rows], device=self.model.device)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, past_key_values=self.new_cache(),
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **with_cache(self.new_cache()),
                                   **self._gen_kwargs(generate_kwargs))
         texts = self.tokenizer.batch_decode(out[:, n:], skip_special_tokens=True)
         return texts[0] if single else texts
 
-    def ask(self, context: str, questions: str | list[str], **generate_kwargs) -> str | list[str]:
-        """Compress ``context`` once (query-agnostic) and answer each question from the same compressed cache.
+    def compress(self, context: str) -> CompressedContext:
+        """Compress ``context`` once, as :meth:`ask` does (query-agnostic), into a :class:`CompressedContext` that
+        answers any number of later questions through :meth:`ask`: here, or after ``.save(path)`` in another process
+        (:meth:`load`)."""
+        ids, _ = encode_context(self.tokenizer, context)
+        cache = compress_context(self.model, self.new_cache(), torch.tensor([ids], device=self.model.device))
+        return CompressedContext(cache, context, self.tokenizer)
+
+    def load(self, path, *, dtype: str = "refuse") -> CompressedContext:
+        """The context saved at ``path`` (:meth:`CompressedContext.save`), on this pipeline's model and tokenizer
+        (another model, tokenizer or dtype is refused: :meth:`CompressedContext.load`)."""
+        return CompressedContext.load(path, self.model, self.tokenizer, dtype=dtype)
+
+    def ask(self, context: str | CompressedContext, questions: str | list[str], **generate_kwargs) -> str | list[str]:
+        """Answer each question from one compressed context: ``context`` compressed once here (query-agnostic), or a
+        :class:`CompressedContext` (:meth:`compress`, :meth:`load`, a context store), which is left as it was.
 
         Returns:
             one answer per question (a string for a single question); with ``num_return_sequences`` > 1, a list of
@@ -136,12 +152,16 @@ class ProxyKVPipeline:
 
         single = isinstance(questions, str)
         questions = [questions] if single else list(questions)
-        parts = [encode_chat_prompt(self.tokenizer, context, q) for q in questions]  # (context ids, question ids)
-        ctx = torch.tensor([parts[0][0]], device=self.model.device)
-        if any(c != parts[0][0] for c, _ in parts):
-            raise ValueError("the chat template renders the context differently for different questions; ask them "
-                             "one at a time")
-        cache = compress_context(self.model, self.new_cache(), ctx)
+        if isinstance(context, CompressedContext):
+            cache, ctx = context.cache, context.ids
+            parts = [(None, context.question_ids(q)) for q in questions]
+        else:
+            parts = [encode_chat_prompt(self.tokenizer, context, q) for q in questions]  # (context, question ids)
+            ctx = torch.tensor([parts[0][0]], device=self.model.device)
+            if any(c != parts[0][0] for c, _ in parts):
+                raise ValueError("the chat template renders the context differently for different questions; ask "
+                                 "them one at a time")
+            cache = compress_context(self.model, self.new_cache(), ctx)
         kwargs = self._gen_kwargs(generate_kwargs)
         answers = []
         for _, question_ids in parts:
@@ -166,9 +186,9 @@ class ProxyKVGenerationPipeline(TextGenerationPipeline):
         self.new_cache = make_cache_factory(proxykv, keep_ratio, **(proxykv_kwargs or {}))
 
     def _forward(self, model_inputs, **generate_kwargs):
-        if "past_key_values" in generate_kwargs:
-            raise ValueError("proxykv-generation builds its own cache; do not pass past_key_values")
-        return super()._forward(model_inputs, past_key_values=self.new_cache(), **generate_kwargs)
+        if {"cache", "past_key_values"} & set(generate_kwargs):
+            raise ValueError("proxykv-generation builds its own cache; do not pass cache or past_key_values")
+        return super()._forward(model_inputs, **with_cache(self.new_cache()), **generate_kwargs)
 
 
 def register_pipeline() -> None:

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from . import attention
+from .compat import with_cache
 from .scoring import (CHUNK_SIZE, FusedStatistics, attention_sums, causal_attention_with_statistics,
                       check_statistics, fuses_with_attention)
 
@@ -249,7 +250,7 @@ def proxy_features(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     cache = FeatureCache(valid, chunk_size, statistics, fused, only=statistics_layers)
     decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True)
+            **with_cache(cache), use_cache=True)
     order = sorted(cache.sums)  # captured under the layers' own indices
     wanted = len(decoder.layers) if statistics_layers is None else len(set(statistics_layers))
     if len(order) != wanted:

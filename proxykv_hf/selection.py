@@ -310,3 +310,14 @@ def select_global(
             keep[b].view(-1)[best] = True
     keep &= valid[:, None, None, :]
     return list(keep.unbind(1))
+
+
+def global_keep(scorer, scores: dict[int, torch.Tensor], valid: torch.Tensor, keep_ratio: float, n_sink: int,
+                n_recent: int) -> dict[int, torch.Tensor]:
+    """``{layer: (B, H_kv, T) keep mask}`` of the global budget (:func:`select_global`), from each layer's scores
+    made comparable by the scorer (:meth:`~proxykv_hf.scorers.base.Scorer.global_scores`)."""
+    layers = sorted(scores)
+    device = scores[layers[0]].device
+    comparable = scorer.global_scores({i: scores[i] for i in layers}, valid.to(device))
+    keep = select_global([comparable[i] for i in layers], keep_ratio, valid.to(device), n_sink, n_recent)
+    return dict(zip(layers, keep))

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
+from proxykv_hf.compat import with_cache
 from proxykv_hf.eval import tasks as task_lib
 from proxykv_hf.eval.methods import RecordingCache, build_method, compacted_copy
 from proxykv_hf.eval.metrics import score_sample
 from proxykv_hf.eval.prompts import encode_sample, token_spans
+from proxykv_hf.eval.report import open_records
 from proxykv_hf.eval.splits import split_of_task
 from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
 from proxykv_hf.pipeline import answer_from_cache
@@ -54,7 +56,7 @@ def recorded(model, scorer, ctx: torch.Tensor) -> RecordingCache:
     cache = RecordingCache(scorer.fresh())
     cache.prepare(model, ctx)
     with torch.no_grad():
-        model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ctx, **with_cache(cache), use_cache=True, logits_to_keep=1)
     return cache
 
 
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--mapper", default=None, help="mapper checkpoint (default: the bundled one)")
     p.add_argument("--layer-mix", type=float, default=None, help="ProxyKV's layer_mix (default: the checkpoint's)")
-    p.add_argument("--out", default="runs/layer-swap.jsonl")
+    p.add_argument("--out", default="runs/layer-swap.jsonl",
+                   help="JSONL file the rows are appended to (.jsonl.gz: compressed)")
     ns = p.parse_args(argv)
     bad = [t for t in ns.tasks if split_of_task(t) != "dev"]
     if bad:
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    with out.open("a") as log:
+    with open_records(out, "at") as log:
         for task in ns.tasks:
             for i, sample in enumerate(task_lib.generate(task, ns.n_samples, ns.context_length, tok, DEV_SEED)):
                 if ns.samples is not None and i not in ns.samples:

@@ -22,8 +22,10 @@ import torch
 
 from proxykv_hf import ProxyKVCache
 from proxykv_hf.cli_helpers import load, mapper_for
+from proxykv_hf.compat import with_cache
 from proxykv_hf.eval import tasks as task_lib
 from proxykv_hf.eval.prompts import encode_sample, token_spans
+from proxykv_hf.eval.report import open_records
 from proxykv_hf.models import DEFAULT_MODEL
 from proxykv_hf.scorers import registry
 
@@ -42,7 +44,7 @@ def value_positions(ctx: list[int], value: str, tokenizer) -> list[int]:
 def kept_shares(model, cache: ProxyKVCache, ids: torch.Tensor, value: list[int], key: list[int]) -> dict:
     """Compress ``ids`` with ``cache``; per (layer, KV head) the share of ``value`` and ``key`` positions kept."""
     cache.prepare(model, ids)
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)
     layers = cache.compactable_layers()
     val = torch.zeros(len(layers), cache.layers[layers[0]].keys.shape[1])
     keyk = torch.zeros_like(val)
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mapper", default=None, help="ProxyKV checkpoint (default: the bundled one)")
     ap.add_argument("--layer-mix", type=float, default=None,
                     help="ProxyKV's layer_mix (default: the checkpoint's)")
-    ap.add_argument("--out", type=Path, required=True, help="JSONL file the records are appended to")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="JSONL file the records are appended to (.jsonl.gz: compressed)")
     ns = ap.parse_args(argv)
     model, tok = load(ns)
     samples = task_lib.generate(ns.task, ns.n_samples, ns.context_length, tok, ns.seed)
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         scorers = {m: registry.build(m, context) for m in ns.methods}
         print("| sample | value | method | heads keeping the whole value | value kept | key phrase kept |")
         print("|---|---|---|---|---|---|")
-        with ns.out.open("a") as log:
+        with open_records(ns.out, "at") as log:
             for i in ns.samples:
                 sample = samples[i]
                 ctx, _ = encode_sample(sample, tok)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxykv_hf import ProxyKVCache, RandomScorer, SnapKVScorer
+from proxykv_hf.compat import with_cache
 from proxykv_hf.conversation import Conversation
 from proxykv_hf.testing import random_prompt, tiny_model
 
@@ -21,7 +22,7 @@ def model(single_thread):
 
 
 def run(model, ids, cache, n=3, **kw):
-    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
                           max_new_tokens=n, **GEN, **kw)
 
 
@@ -89,6 +90,23 @@ def test_a_refused_call_changes_nothing(model):
         run(model, tokens(90, 2), cache)
     nxt = torch.cat([out, tokens(5, 3)], 1)
     assert torch.equal(run(model, nxt, cache), run(model, nxt, ref))
+
+
+def test_a_continuation_prefilled_in_chunks(model):
+    """transformers >= 5.23 feeds a continued conversation's new tokens chunk by chunk (same tokens as one forward);
+    earlier releases feed the whole prompt again, which the cache refuses instead of holding it twice."""
+    import transformers
+    from packaging.version import Version
+
+    cache, ref = (ProxyKVCache(SnapKVScorer(window=8), keep_ratio=0.5) for _ in range(2))
+    out = run(model, tokens(60, 1), cache)
+    run(model, tokens(60, 1), ref)
+    nxt = torch.cat([out, tokens(30, 2)], 1)
+    if Version(transformers.__version__) >= Version("5.23"):
+        assert torch.equal(run(model, nxt, cache, prefill_chunk_size=8), run(model, nxt, ref))
+    else:
+        with pytest.raises(ValueError, match="feed the whole prompt again"):
+            run(model, nxt, cache, prefill_chunk_size=8)
 
 
 def test_crop_shortens_the_conversation_and_refuses_the_compressed_prompt(model):

@@ -8,13 +8,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from proxykv_hf import ProxyKVCache, ProxyScorer
+from proxykv_hf import ProxyKVCache
 from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
-from proxykv_hf.hub import Checkpoint, TargetSpec
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.proxy import ProxySpec
+from proxykv_hf.compat import with_cache
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+from test_contexts import self_proxy_scorer
 
 SCORERS = [name for name in registry.names() if name != "full"] + ["proxykv_self"]
 BUDGETS = ["uniform", "global"]
@@ -23,30 +22,13 @@ N = 80
 RATIO = 0.5
 
 
-def _self_proxy_scorer(model) -> ProxyScorer:
-    """ProxyKV with a random-weight mapper on the target's own attention (the path the bundled mapper takes)."""
-    cfg = model.config
-    stats = ["sum", "max", "lookback"]
-    torch.manual_seed(0)
-    mapper = HybridAxialMapper(MapperConfig.tiny(num_proxy_layers=cfg.num_hidden_layers,
-                                                 num_proxy_heads=cfg.num_attention_heads,
-                                                 num_target_layers=cfg.num_hidden_layers,
-                                                 num_target_heads=cfg.num_key_value_heads, num_statistics=3,
-                                                 crop_len=32, stride=16)).eval()
-    ckpt = Checkpoint(mapper=mapper, proxy=ProxySpec(kind="self", num_layers=cfg.num_hidden_layers,
-                                                     num_heads=cfg.num_attention_heads, statistics=stats),
-                      target=TargetSpec(model_id="tiny", model_type="llama", num_layers=cfg.num_hidden_layers,
-                                        num_kv_heads=cfg.num_key_value_heads, num_heads=cfg.num_attention_heads))
-    return ProxyScorer(ckpt, mapper_autocast=False)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, single_thread):
     model = tiny_model("llama")
     ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=tiny_mapper_checkpoint(
         model, str(tmp_path_factory.mktemp("mapper"))), kvzip_chunk=16)
     scorers = {name: registry.build(name, ctx) for name in SCORERS if name != "proxykv_self"}
-    scorers["proxykv_self"] = _self_proxy_scorer(model)
+    scorers["proxykv_self"] = self_proxy_scorer(model)
     return model, scorers
 
 
@@ -55,7 +37,7 @@ def make(world, name, budget, ratio=RATIO):
 
 
 def gen(model, inputs, cache, **kw):
-    return model.generate(**inputs, past_key_values=cache, **{**GEN, **kw})
+    return model.generate(**inputs, **with_cache(cache), **{**GEN, **kw})
 
 
 def prompt(seed=1, n=N):
@@ -71,7 +53,7 @@ def manual_greedy(model, cache, ids, n_new, attention_mask=None):
     """Greedy decoding by hand: one forward of ``ids`` (the new tokens), then one token at a time."""
     out, step = [], ids
     for _ in range(n_new):
-        logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=step, **with_cache(cache), use_cache=True).logits[:, -1]
         step = logits.argmax(-1, keepdim=True)
         out.append(step)
     return torch.cat(out, dim=1)
@@ -189,7 +171,7 @@ def test_a_prompt_that_does_not_continue_is_refused(world, name, budget):
     edited[0, 10] = (edited[0, 10] + 1) % 250 + 4
     for ids in (prompt(seed=5)["input_ids"], prompt(seed=5, n=20)["input_ids"], edited):
         with pytest.raises(ValueError, match="continue"):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, **GEN)
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache), **GEN)
     cache.reset()
     assert torch.equal(gen(model, prompt(seed=5), cache), gen(model, prompt(seed=5), make(world, name, budget)))
 
@@ -212,5 +194,5 @@ def test_compiled_model_equals_eager(world, budget):
     model = world[0]
     inputs = prompt()
     compiled = torch.compile(model)
-    assert torch.equal(compiled.generate(**inputs, past_key_values=make(world, "snapkv", budget), **GEN),
+    assert torch.equal(compiled.generate(**inputs, **with_cache(make(world, "snapkv", budget)), **GEN),
                        gen(model, inputs, make(world, "snapkv", budget)))

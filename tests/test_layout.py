@@ -9,8 +9,9 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "proxykv_hf"
 CORE = ["cache.py", "selection.py", "scoring.py", "scoring_torch.py", "attention.py", "mapper.py", "mapper_blocks.py",
-        "mapper_config.py", "proxy.py", "hub.py", *[f"scorers/{p.name}" for p in (PKG / "scorers").glob("*.py")]]
-TOOLING = ("train", "eval", "bench", "cli", "cli_helpers", "pipeline", "demo")
+        "mapper_config.py", "proxy.py", "hub.py", "contexts.py", "fingerprints.py",
+        *[f"scorers/{p.name}" for p in (PKG / "scorers").glob("*.py")]]
+TOOLING = ("train", "eval", "bench", "cli", "cli_helpers", "pipeline", "demo", "compressed", "store")
 MAX_LINES = 500  # past this a module is split by concept (STYLE.md: aim for 100-350)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import with_cache
+
 
 class SlotCache:
     """Per-layer K/V buffers of ``length + extra`` slots; ``update`` writes the new token at ``slot`` (a device tensor)
@@ -76,7 +78,7 @@ class StaticDecoder:
     def _step(self) -> None:
         self.mask.index_fill_(-1, self.cache.slot, True)  # the slot this step writes becomes visible
         logits = self.model(input_ids=self.ids, position_ids=self.pos, attention_mask=self.mask,
-                            past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+                            **with_cache(self.cache), use_cache=True, logits_to_keep=1).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         self.ids.copy_(nxt)
         self.tokens.index_copy_(1, self.step_index, nxt)

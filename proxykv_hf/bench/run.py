@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..cache import ProxyKVCache
+from ..compat import with_cache
 from ..flops import GATED_MLP_FAMILIES, prefill_flops
 from ..scorers import registry
 from ..selection import BUDGETS, select_topk
@@ -197,7 +198,7 @@ class Bench:
     @torch.no_grad()
     def _prefill(self, method: str, ids: torch.Tensor) -> ProxyKVCache:
         cache = self._cache(method).prepare(self.model, ids)
-        self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)
         return cache
 
     @torch.no_grad()
@@ -231,7 +232,7 @@ class Bench:
         def loop():
             nonlocal tok
             for i in range(steps):
-                logits = self.model(input_ids=tok, past_key_values=cache, position_ids=torch.tensor(
+                logits = self.model(input_ids=tok, **with_cache(cache), position_ids=torch.tensor(
                     [[pos + i]], device=self.device), use_cache=True).logits
                 tok = logits[:, -1:].argmax(-1)
 

@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import ProxyKVCache
+from ..compat import with_cache
 from ..pipeline import answer_from_cache
 from ..scorers.kvzip import N_SINK as KVZIP_N_SINK
 from ..selection import BUDGETS, select_topk
@@ -210,7 +211,7 @@ class Harness:
     def _generate(self, cache, ctx, q) -> tuple[str, float]:
         ids = torch.cat([ctx, q], 1)
         t0 = time.perf_counter()
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
                                   max_new_tokens=self.config.max_new_tokens, do_sample=False,
                                   pad_token_id=self.tok.pad_token_id)
         return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), time.perf_counter() - t0
@@ -224,7 +225,7 @@ class Harness:
         cache.prepare(self.model, ctx)
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(input_ids=ctx, **with_cache(cache), use_cache=True, logits_to_keep=1)
         return cache, time.perf_counter() - t0
 
     def run(self) -> Path:

@@ -107,6 +107,19 @@ class Scorer:
         """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""
         return self
 
+    def settings(self) -> dict:
+        """What this scorer does, as a JSON-able dict: ``"class"`` (module and name) and its options (the public
+        attributes whose values are numbers, strings, booleans, None, dtypes or lists of those; models, tokenizers
+        and devices are left out). A saved context records it, and a context store keys by it
+        (:mod:`proxykv_hf.contexts`), so a scorer whose options the attributes do not show (learned weights)
+        adds what tells two of them apart."""
+        out = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
+        for name, value in sorted(vars(self).items()):
+            plain = _plain(value)
+            if not name.startswith("_") and plain is not _SKIP:
+                out[name] = plain
+        return out
+
     def prepare(self, prompt: Prompt) -> None:
         """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""
 
@@ -175,6 +188,21 @@ class ModelScorer(Scorer):
     def score_all(self, prompt: Prompt, cache) -> dict[int, torch.Tensor]:
         """Scores `(B, H_kv, T)` for every compacted layer index of ``cache`` (``cache.compactable_layers()``)."""
         raise NotImplementedError(f"{type(self).__name__}.score_all")
+
+
+_SKIP = object()
+
+
+def _plain(value):
+    """``value`` as JSON (lists for tuples, names for dtypes), or ``_SKIP`` for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _SKIP if any(v is _SKIP for v in items) else items
+    return _SKIP
 
 
 def merge_statistics(total: torch.Tensor, part: torch.Tensor, statistics: tuple[str, ...]) -> torch.Tensor:

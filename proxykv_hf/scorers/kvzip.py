@@ -48,6 +48,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import attention, kernels
+from ..compat import with_cache
 from .base import ModelScorer, Prompt
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class KVzipScorer(ModelScorer):
     Example::
 
         cache = ProxyKVCache(KVzipScorer(tokenizer), keep_ratio=0.3)
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= before transformers 5.24
 
     The scorer runs ``ceil(T / chunk_size)`` extra forwards of about ``chunk_size + 30`` tokens each over the full
     context: about 1-2 prefills of extra compute.
@@ -242,7 +243,7 @@ class KVzipScorer(ModelScorer):
                                     {i: _LayerCall(record, i) for i in layers})
                 position_ids = n_real[row_idx, None] + torch.arange(Q, device=device)  # (R, Q) after the real context
                 mask = torch.cat([valid[row_idx], rep_valid], dim=1).long()  # (R, T + Q)
-                base(input_ids=rep_ids, attention_mask=mask, position_ids=position_ids, past_key_values=temp,
+                base(input_ids=rep_ids, attention_mask=mask, position_ids=position_ids, **with_cache(temp),
                      use_cache=True)
                 for i in layers:
                     if i not in record.scores:
@@ -275,7 +276,7 @@ def _filled_layers(base, ids, valid, layers, T: int) -> list:
     fresh = DynamicCache(config=base.config)
     with torch.no_grad():
         base(input_ids=ids, attention_mask=valid.long(), position_ids=(valid.long().cumsum(-1) - 1).clamp_min(0),
-             past_key_values=fresh, use_cache=True)
+             **with_cache(fresh), use_cache=True)
     return [layer if ready(layer) else fresh.layers[i] for i, layer in enumerate(layers)]
 
 
@@ -441,7 +442,7 @@ def kvzip_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     base = getattr(model, "base_model", model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        base(input_ids=input_ids, attention_mask=valid.long(), past_key_values=cache, use_cache=True,
+        base(input_ids=input_ids, attention_mask=valid.long(), **with_cache(cache), use_cache=True,
              position_ids=(valid.long().cumsum(-1) - 1).clamp_min(0))
     scores = scorer.score_layers(model, input_ids, valid, cache.layers, layers)
     first = scores[layers[0]]

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import hashlib
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -182,6 +186,48 @@ class ProxyScorer(BackgroundScorer):
         state.update(_scores=None, _event=None, _future=None, _error=None, _features={}, _encoded=None)
         return state
 
+    def settings(self) -> dict:
+        """The base settings (``pool_kernel``, ``layer_mix``, ``global_norm``, ``n_sink``, ...) and the
+        checkpoint's: proxy, target, mapper config, the mapper of each layer and a digest of every mapper's weights,
+        so that two different mappers never share a saved context's key."""
+        ckpt = self.checkpoint
+        out = super().settings()
+        out["checkpoint"] = {"proxy": ckpt.proxy.to_dict(), "target": ckpt.target.to_dict(),
+                             "mapper": ckpt.mapper.config.to_dict(), "layer_mappers": ckpt.layer_mappers,
+                             "weights": weights_digest(ckpt.mappers)}
+        if self.proxy_model is not None:
+            out["proxy_model"] = {"name": str(getattr(self.proxy_model.config, "name_or_path", "")),
+                                  "weights": weights_digest([self.proxy_model])}
+        return out
+
+    def published_checkpoint(self):
+        """The checkpoint as this scorer selects with it: the loaded one with this scorer's ``pool_kernel`` and
+        ``layer_mix`` (the mappers are shared, not copied)."""
+        return dataclasses.replace(self.checkpoint, pool_kernel=self.pool_kernel, layer_mix=self.layer_mix)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write the mapper checkpoint this scorer scores with (:meth:`published_checkpoint`: its mappers, also
+        those a combined checkpoint holds, and its ``pool_kernel`` and ``layer_mix``) to ``directory``, so that
+        :meth:`from_pretrained` on it scores the same way. The options a checkpoint does not hold
+        (``global_norm``, ``n_sink``, ``chunk_size``, ``mapper_autocast``, ``proxy_device``, the proxy model
+        itself) are passed to ``from_pretrained`` again.
+
+        Returns:
+            the directory.
+        """
+        from ..hub import save_checkpoint
+
+        return save_checkpoint(self.published_checkpoint(), directory)
+
+    def push_to_hub(self, repo_id: str, *, private: bool = False, token=None,
+                    commit_message: str = "Upload ProxyKV mapper") -> str:
+        """Upload :meth:`published_checkpoint` to the Hub repository ``repo_id`` (created if needed), as
+        :meth:`save_pretrained` writes it; returns the commit URL."""
+        from ..hub import push_to_hub
+
+        return push_to_hub(self.published_checkpoint(), repo_id, private=private, token=token,
+                           commit_message=commit_message)
+
     def statistics_for(self, compact_index: int) -> tuple[str, ...]:
         """The statistics read from one compacted layer's attention: a self proxy's, on the layers its mapper
         reads (``ProxySpec.layers``); none elsewhere (those layers run the model's own attention)."""
@@ -344,6 +390,17 @@ class ProxyScorer(BackgroundScorer):
         for q in [q for q in self._features if q < paired - mapper.config.direct_context]:
             del self._features[q]  # later layers read this proxy layer or later ones, and as far back as this one
         return scores
+
+
+def weights_digest(modules) -> str:
+    """A 16-hex-digit SHA-256 prefix of the state dicts of ``modules`` (names, dtypes, shapes and bytes)."""
+    h = hashlib.sha256()
+    for i, module in enumerate(modules):
+        for name, tensor in sorted(module.state_dict().items()):
+            t = tensor.detach().cpu().contiguous()
+            h.update(f"{i}.{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
