@@ -25,9 +25,8 @@ from pathlib import Path
 
 import torch
 
-from proxykv_hf.compat import with_cache
 from proxykv_hf.eval import tasks as task_lib
-from proxykv_hf.eval.methods import RecordingCache, build_method, compacted_copy
+from proxykv_hf.eval.methods import build_method, compacted_copy, record_scores
 from proxykv_hf.eval.metrics import score_sample
 from proxykv_hf.eval.prompts import encode_sample, token_spans
 from proxykv_hf.eval.report import open_records
@@ -50,14 +49,6 @@ def parse_group(text: str, n_layers: int) -> list[int]:
     if not 0 <= lo <= hi < n_layers:
         raise SystemExit(f"--groups: {text!r} is not a layer range A-B within 0-{n_layers - 1}")
     return list(range(lo, hi + 1))
-
-
-def recorded(model, scorer, ctx: torch.Tensor) -> RecordingCache:
-    cache = RecordingCache(scorer.fresh())
-    cache.prepare(model, ctx)
-    with torch.no_grad():
-        model(input_ids=ctx, **with_cache(cache), use_cache=True, logits_to_keep=1)
-    return cache
 
 
 def top_mask(scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -129,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 ctx_ids, q_ids = encode_sample(sample, tok)
                 ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])
-                by_k, by_p = recorded(model, kvzip, ctx), recorded(model, proxykv, ctx)
+                by_k, by_p = record_scores(model, kvzip, ctx), record_scores(model, proxykv, ctx)
                 variants = {"proxykv": by_p.scores, "kvzip": by_k.scores}
                 variants.update({f"kvzip@{g}": {l: (by_k if l in ls else by_p).scores[l] for l in by_p.scores}
                                  for g, ls in groups.items()})

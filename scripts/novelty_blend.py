@@ -20,10 +20,10 @@ How to run me (dev split: a choice is made on it)::
 from __future__ import annotations
 
 import torch
-from surprisal_blend import rank01
+from surprisal_blend import blend_builder, rank01
 
 from proxykv_hf.scorers.proxy import ProxyScorer
-from proxykv_hf.scorers.registry import ScorerContext, register
+from proxykv_hf.scorers.registry import register
 
 WEIGHTS = (0.25, 0.5, 1.0)
 
@@ -43,6 +43,11 @@ class NoveltyBlend(ProxyScorer):
 
     weight: float = 0.0
 
+    def __init__(self, checkpoint, **kwargs):
+        super().__init__(checkpoint, **kwargs)
+        if self.spec.kind != "self" or "lookback" not in self.spec.statistics:
+            raise ValueError("the novelty blend needs a self-proxy checkpoint that reads the 'lookback' statistic")
+
     def score(self, inputs) -> torch.Tensor:
         scores = super().score(inputs).float()
         layer = self._proxy_of.get(inputs.compact_index)
@@ -54,16 +59,7 @@ class NoveltyBlend(ProxyScorer):
 
 
 def build(weight: float):
-    def build_blend(ctx: ScorerContext) -> NoveltyBlend:
-        if ctx.mapper is None:
-            raise ValueError("the novelty blend needs a mapper checkpoint (--mapper)")
-        scorer = NoveltyBlend.from_pretrained(ctx.mapper, pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix)
-        if scorer.spec.kind != "self" or "lookback" not in scorer.spec.statistics:
-            raise ValueError("the novelty blend needs a self-proxy checkpoint that reads the 'lookback' statistic")
-        scorer.weight = weight
-        return scorer
-
-    return build_blend
+    return blend_builder(NoveltyBlend, weight, "novelty")
 
 
 for _w in WEIGHTS:

@@ -61,15 +61,21 @@ class SurprisalBlend(ProxyScorer):
         return rank01(scores, valid) + self.weight * rank01(extra, valid)
 
 
-def build(weight: float):
-    def build_blend(ctx: ScorerContext) -> SurprisalBlend:
+def blend_builder(cls, weight: float, what: str):
+    """A registry builder of the ProxyKV blend ``cls`` (a :class:`ProxyScorer` with a ``weight``) at ``weight``;
+    ``what`` names the blend in the error for a missing mapper."""
+    def build_blend(ctx: ScorerContext) -> ProxyScorer:
         if ctx.mapper is None:
-            raise ValueError("the surprisal blend needs a mapper checkpoint (--mapper)")
-        scorer = SurprisalBlend.from_pretrained(ctx.mapper, pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix)
+            raise ValueError(f"the {what} blend needs a mapper checkpoint (--mapper)")
+        scorer = cls.from_pretrained(ctx.mapper, pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix)
         scorer.weight = weight
         return scorer
 
     return build_blend
+
+
+def build(weight: float):
+    return blend_builder(SurprisalBlend, weight, "surprisal")
 
 
 for _w in WEIGHTS:

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxykv_hf.compat import with_cache
-from proxykv_hf.eval.methods import RecordingCache
+from proxykv_hf.eval.methods import record_scores
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, tiny_model
 from test_contexts import self_proxy_scorer
@@ -50,11 +49,7 @@ def test_the_weight_moves_the_ranking_from_proxykv_to_novelty(blend, tmp_path):
     mask = inputs["attention_mask"]
 
     def recorded(scorer):
-        cache = RecordingCache(scorer.fresh())
-        cache.prepare(model, inputs["input_ids"], mask)
-        with torch.no_grad():
-            model(**inputs, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), **with_cache(cache))
-        return cache.scores
+        return record_scores(model, scorer, inputs["input_ids"], mask).scores
 
     def follows(blended, reference):
         """Whether each head's ``reference`` values, taken in the order of its ``blended`` scores, never rise."""

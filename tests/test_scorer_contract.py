@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from proxykv_hf import LayerScorer, ModelScorer, ProxyKVCache
 from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
-from proxykv_hf.eval.methods import RecordingCache
+from proxykv_hf.eval.methods import record_scores
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.scorers.proxy import bfloat16_is_fast
 from proxykv_hf.selection import keep_counts, select_topk
@@ -27,11 +27,7 @@ def setup(tmp_path_factory):
 
 
 def _recorded(model, scorer, inputs) -> dict[int, torch.Tensor]:
-    cache = RecordingCache(scorer.fresh())
-    cache.prepare(model, inputs["input_ids"], inputs["attention_mask"])
-    with torch.no_grad():
-        model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), past_key_values=cache)
-    return cache.scores
+    return record_scores(model, scorer, inputs["input_ids"], inputs["attention_mask"]).scores
 
 
 def test_every_built_in_method_is_registered():

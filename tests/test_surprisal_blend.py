@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
-from proxykv_hf.eval.methods import RecordingCache
+from proxykv_hf.eval.methods import record_scores
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, tiny_model
 
@@ -64,11 +64,7 @@ def test_the_weight_moves_the_choice_from_proxykv_to_surprisal(blend, tmp_path):
     mask = inputs["attention_mask"]
 
     def recorded(scorer):
-        cache = RecordingCache(scorer.fresh())
-        cache.prepare(model, inputs["input_ids"], mask)
-        with torch.no_grad():
-            model(**inputs, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), past_key_values=cache)
-        return cache.scores
+        return record_scores(model, scorer, inputs["input_ids"], mask).scores
 
     def top(scores, k=12):
         return {layer: [set(head.topk(k).indices.tolist()) for head in s[0]] for layer, s in scores.items()}
