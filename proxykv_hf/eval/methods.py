@@ -15,8 +15,8 @@ from dataclasses import replace
 import torch
 
 from ..cache import ProxyKVCache
-from ..compat import with_cache
 from ..layer import ProxyKVLayer
+from ..pipeline import compress_context
 from ..scorers import registry
 from ..scorers.base import BackgroundScorer, LayerInputs, LayerScorer, Prompt
 from ..scorers.registry import ScorerContext
@@ -62,13 +62,7 @@ class RecordingCache(ProxyKVCache):
 def record_scores(model, scorer, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> RecordingCache:
     """A :class:`RecordingCache` over a fresh copy of ``scorer`` after one forward of the left-padded prompt
     ``input_ids`` (``attention_mask``: its padding, None for none): its ``scores`` are each layer's."""
-    cache = RecordingCache(scorer.fresh())
-    cache.prepare(model, input_ids, attention_mask)
-    position_ids = None if attention_mask is None else (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    with torch.no_grad():
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **with_cache(cache),
-              use_cache=True, logits_to_keep=1)
-    return cache
+    return compress_context(model, RecordingCache(scorer.fresh()), input_ids, attention_mask)
 
 
 class SharedPrefill(LayerScorer):
