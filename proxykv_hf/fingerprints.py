@@ -4,6 +4,7 @@ A context records, and a load compares, a fingerprint of the model's config (the
 mean), a probe of its weights (a few rows of its input embeddings, so that two models of one config are told apart),
 its dtype, and a fingerprint of the tokenizer (vocabulary, special tokens, chat template). Each is a 16-hex-digit
 SHA-256 prefix of a JSON text with sorted keys, so it is the same in every process and on every machine.
+:func:`weights_digest` hashes whole state dicts the same way, for what a scorer's settings record of its weights.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def config_fields(config) -> dict:
     return json.loads(json.dumps(fields, sort_keys=True, default=str))
 
 
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's raw bytes, read on the CPU in row-major order."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def weights_probe(model) -> str | None:
     """A digest of :data:`PROBE_ROWS` rows of the model's input embeddings, in its own dtype: tells two models of
     one config apart (another seed, a fine-tune) at the cost of a few kilobytes. None where there are none."""
@@ -51,9 +57,19 @@ def weights_probe(model) -> str | None:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.device.type == "meta":
         return None
     with torch.no_grad():
-        rows = weight.detach()[:: max(1, weight.shape[0] // PROBE_ROWS)][:PROBE_ROWS].cpu().contiguous()
-    data = rows.view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(str(rows.dtype).encode() + data).hexdigest()[:16]
+        rows = weight[:: max(1, weight.shape[0] // PROBE_ROWS)][:PROBE_ROWS]
+        return hashlib.sha256(str(rows.dtype).encode() + _tensor_bytes(rows)).hexdigest()[:16]
+
+
+def weights_digest(modules) -> str:
+    """A 16-hex-digit SHA-256 prefix of the whole state dicts of ``modules`` (names, dtypes, shapes and bytes):
+    what a scorer's settings record of its mappers or proxy model."""
+    h = hashlib.sha256()
+    for i, module in enumerate(modules):
+        for name, tensor in sorted(module.state_dict().items()):
+            h.update(f"{i}.{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+            h.update(_tensor_bytes(tensor))
+    return h.hexdigest()[:16]
 
 
 def describe_model(model) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..fingerprints import weights_digest
 from ..proxy import check_self_layers, decoder_of, proxy_features
 from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
 from ..selection import LayerMixer, check_kernel_size, check_layer_mix, masked_moments, smooth_scores
@@ -390,17 +390,6 @@ class ProxyScorer(BackgroundScorer):
         for q in [q for q in self._features if q < paired - mapper.config.direct_context]:
             del self._features[q]  # later layers read this proxy layer or later ones, and as far back as this one
         return scores
-
-
-def weights_digest(modules) -> str:
-    """A 16-hex-digit SHA-256 prefix of the state dicts of ``modules`` (names, dtypes, shapes and bytes)."""
-    h = hashlib.sha256()
-    for i, module in enumerate(modules):
-        for name, tensor in sorted(module.state_dict().items()):
-            t = tensor.detach().cpu().contiguous()
-            h.update(f"{i}.{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
