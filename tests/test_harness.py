@@ -108,3 +108,26 @@ def test_shards_split_the_samples_between_runs(tmp_path):
     assert runs[1, 0] == runs[2, 0] | runs[2, 1]
     with pytest.raises(ValueError, match="shard_index"):
         EvalConfig(**kw, num_shards=2, shard_index=2)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_a_run_stopped_mid_record_resumes(tmp_path, caplog):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = EvalConfig(methods=["full", "kvzip", "streaming"], keep_ratios=[0.3, 0.6], tasks=["niah_single_1"],
+                     context_lengths=[300], n_samples=2, max_new_tokens=3, out_dir=str(tmp_path / "run"))
+    path = run_eval(model, tok, cfg) / "results.jsonl"
+    whole = path.read_text()
+    lines = whole.splitlines(keepends=True)
+    path.write_text("".join(lines[:2]) + lines[2][:40])  # killed while writing the third record
+    run_eval(model, tok, cfg)
+    assert "cut off by a stopped run" in caplog.text
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    key = lambda r: (r["sample"], r["method"], r["keep_ratio"])  # noqa: E731
+    assert sorted(map(key, records)) == sorted(map(key, map(json.loads, lines)))
+    assert {key(r): r["prediction"] for r in records} == {key(r): r["prediction"] for r in map(json.loads, lines)}
+
+    path.write_text(lines[0] + "not a record\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match="line 2: not an evaluation record"):
+        run_eval(model, tok, cfg)
+    oracles = sorted(p.name for p in (tmp_path / "run" / "oracle").iterdir())
+    assert oracles == ["niah_single_1-300-0.safetensors", "niah_single_1-300-1.safetensors"]  # written whole

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -157,7 +158,9 @@ def _save_scores(path: Path, scores: dict[int, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({str(i): s.contiguous() for i, s in scores.items()}, str(path))
+    part = path.with_name(path.name + ".part")  # renamed when whole: a stopped run leaves no half-written oracle
+    save_file({str(i): s.contiguous() for i, s in scores.items()}, str(part))
+    os.replace(part, path)
 
 
 def _load_scores(path: Path) -> dict[int, torch.Tensor]:
@@ -182,12 +185,28 @@ class Harness:
         self.oracle_sink = self.scorers["kvzip"].n_sink if "kvzip" in self.scorers else KVZIP_N_SINK
 
     def _done(self) -> set[tuple]:
+        """The records ``results.jsonl`` holds. A last line without its newline is a record a stopped run was
+        writing: it is cut off (and run again); any other line that is not a record is an error."""
         done = set()
-        if self.results_path.exists():
-            for line in self.results_path.read_text().splitlines():
-                if line.strip():
-                    r = json.loads(line)
-                    done.add((r["task"], r["context_length"], r["sample"], r["method"], r["keep_ratio"]))
+        if not self.results_path.exists():
+            return done
+        text = self.results_path.read_text()
+        if text and not text.endswith("\n"):
+            complete = text[:text.rfind("\n") + 1]
+            logger.warning("%s: dropping its last line, cut off by a stopped run: %r", self.results_path,
+                           text[len(complete):][:80])
+            with self.results_path.open("r+b") as f:
+                f.truncate(len(complete.encode()))
+            text = complete
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                done.add((r["task"], r["context_length"], r["sample"], r["method"], r["keep_ratio"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{self.results_path}, line {number}: not an evaluation record ({e}); move the "
+                                 f"file away or fix the line to resume") from None
         return done
 
     def _ids(self, sample) -> tuple[torch.Tensor, torch.Tensor]:
