@@ -3,34 +3,19 @@ own statistics, and the blend between ProxyKV's ranking (weight 0) and the novel
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from proxykv_hf.eval.methods import record_scores
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, tiny_model
+from conftest import load_scorer_plugin
 from test_contexts import self_proxy_scorer
-
-_SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture(scope="module")
 def blend():
-    before = set(registry.names())
-    sys.path.insert(0, str(_SCRIPTS))  # it imports surprisal_blend beside it, as `PYTHONPATH=scripts` does
-    try:
-        spec = importlib.util.spec_from_file_location("novelty_blend", _SCRIPTS / "novelty_blend.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(_SCRIPTS))
-        for name in set(registry.names()) - before:  # leave the registry as the other tests find it
-            registry.unregister(name)
+    yield from load_scorer_plugin("novelty_blend")
 
 
 def test_novelty_reads_the_lookback_rows_and_takes_each_kv_heads_largest(blend):

@@ -3,34 +3,19 @@ real tokens, and the penalty between ProxyKV's ranking (weight 0) and the earlie
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from proxykv_hf.eval.methods import record_scores
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, tiny_model
+from conftest import load_scorer_plugin
 from test_contexts import self_proxy_scorer
-
-_SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 @pytest.fixture(scope="module")
 def calibration():
-    before = set(registry.names())
-    sys.path.insert(0, str(_SCRIPTS))  # it imports surprisal_blend beside it, as `PYTHONPATH=scripts` does
-    try:
-        spec = importlib.util.spec_from_file_location("recency_calibration", _SCRIPTS / "recency_calibration.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(_SCRIPTS))
-        for name in set(registry.names()) - before:  # leave the registry as the other tests find it
-            registry.unregister(name)
+    yield from load_scorer_plugin("recency_calibration")
 
 
 def test_position_runs_from_0_to_1_over_the_real_tokens(calibration):
