@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 variants.update({f"kvzip@{g}": {l: (by_k if l in ls else by_p).scores[l] for l in by_p.scores}
                                  for g, ls in groups.items()})
                 row = {"task": task, "sample": i, "keep_ratio": ns.keep_ratio, "scores": {}}
+                if ns.mapper:
+                    row["mapper"] = ns.mapper  # the bundled one where absent
                 for name, scores in variants.items():
                     base = by_k if name == "kvzip" else by_p  # its own sinks and recent window, as in proxykv eval
                     cache = compacted_copy(base, ns.keep_ratio, scorer=base.scorer, scores=scores)
