@@ -266,17 +266,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log progress; on a user error, show the traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long needle prompt with each method")
+    p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long prompt with each method")
     _common(p)
     _pool_arg(p)
-    p.add_argument("--context-tokens", type=int, default=4096, help="length of the needle prompt")
+    p.add_argument("--context-tokens", type=int, default=2048, help="length of the prompt")
     p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3,
                    help="share of the prompt's K/V each method keeps, in (0, 1]")
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
-    p.add_argument("--task", default="passkey:filler-dev2",
-                   help="the prompt's task (default: the dev split's pass key in plain sentences)")
-    p.add_argument("--seed", type=int, default=SPLITS["dev"].seed,
-                   help="task seed (default: the dev split's, which no training text used)")
+    p.add_argument("--task", default="letter:everyday-test",
+                   help="the prompt's task (default: the test split's fact stated once in a letter or a diary)")
+    p.add_argument("--seed", type=int, default=SPLITS["test"].seed,
+                   help="task seed (default: the test split's, which no training text or choice used)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")

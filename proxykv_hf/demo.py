@@ -1,4 +1,4 @@
-"""``proxykv demo``: one long needle-in-a-haystack prompt, answered with each method on the same model.
+"""``proxykv demo``: one long prompt with a fact to retrieve, answered with each method on the same model.
 
 For each method the context is prefilled and compressed alone (query-agnostic), then the question is asked on the
 compressed cache. Printed per method: the answer, whether it is right, the time to first token (context prefill

@@ -396,9 +396,9 @@ def interpolate_checkpoints(base: Checkpoint, other: Checkpoint, weight: float) 
     did well than the fine-tune alone (weight-space ensembling, WiSE-FT). Both must hold one mapper of the same
     config for the same proxy and target; selection settings are ``base``'s. ``training`` holds ``base``'s and,
     under ``"interpolated"``, the weight and ``other``'s; ``metrics`` is empty (no validation ran on the result)."""
-    mine, theirs = base.only_mapper("interpolate_checkpoints' base"), other.only_mapper("interpolate_checkpoints' other")
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"weight must lie in [0, 1] (0 = base, 1 = other), got {weight}")
+    mine, theirs = base.only_mapper("interpolate_checkpoints' base"), other.only_mapper("interpolate_checkpoints' other")
     _check_alike(base, other)
     a, b = mine.state_dict(), theirs.state_dict()
     mixed = HybridAxialMapper(mine.config)

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--keep-ratio", type=float, default=0.3, help="ProxyKV's keep ratio")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each path (medians reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--task", default="passkey:filler-dev2", help="the context's task (as proxykv demo)")
+    parser.add_argument("--task", default="passkey:filler-dev2",
+                        help="the context's task (default: the dev split's pass key)")
     parser.add_argument("--seed", type=int, default=SPLITS["dev"].seed, help="task seed (the dev split's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
