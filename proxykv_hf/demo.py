@@ -24,6 +24,7 @@ from .pipeline import answer_from_cache, compress_context
 from .scorers.registry import ScorerContext
 
 WARMUP_TOKENS = 512
+ANSWER_TOKENS = 40  # answers are capped as in the evaluation (docs/results.md: --max-new-tokens 40)
 
 
 @torch.no_grad()
@@ -70,7 +71,7 @@ def run_demo(ns) -> int:
             compress_context(model, cache, ctx)
             t_compress = time.perf_counter() - t0
             t_first = _first_token_time(model, cache, ctx, q)
-            out = answer_from_cache(model, cache, ctx, q, max_new_tokens=24, do_sample=False,
+            out = answer_from_cache(model, cache, ctx, q, max_new_tokens=ANSWER_TOKENS, do_sample=False,
                                     pad_token_id=tok.pad_token_id)
             answer = tok.decode(out[0], skip_special_tokens=True).strip()
             answer = "".join(c if c.isprintable() else " " for c in " ".join(answer.split()))  # one table line
@@ -84,4 +85,8 @@ def run_demo(ns) -> int:
         short = answer if len(answer) <= width else answer[: width - 1] + "…"
         print(f"{method:<10} {ratio:>5.2f} {short:<{width}} {'yes' if score == 1 else 'no':>7} {ttft:>7.2f} "
               f"{nbytes / 2**20:>7.1f}")
+    if any(len(r[2]) > width for r in rows):
+        print("\nthe answers in full:")
+        for method, _, answer, _, _, _ in rows:
+            print(f"{method:<10} {answer}")
     return 0

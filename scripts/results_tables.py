@@ -12,14 +12,16 @@ ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip w
 samples the full cache answers fully right each method still answers, and a table per task. ``--plot`` draws the
 first file's accuracy against keep ratio; ``--merge`` reads all files as one run; ``--tasks`` keeps only the named
 tasks; ``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same
-samples); ``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval.
+samples); ``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval,
+and per keep ratio, of the samples the full cache answers fully right, A's share minus B's with its paired interval
+(:func:`proxykv_hf.eval.report.paired_answered`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from proxykv_hf.eval.report import interval_tables, paired_difference, plot, read_records
+from proxykv_hf.eval.report import interval_tables, paired_answered, paired_difference, plot, read_records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
             a, b = ns.paired
             diff, lo, hi = paired_difference(records, a, b, n_boot=ns.n_boot)
             print(f"{a} - {b}: {diff:+.1f} points (95% interval {lo:+.1f} to {hi:+.1f}), paired over the same samples\n")
+            if any(r["method"] == "full" and r["score"] >= 1 for r in records):
+                for x, (n, ca, cb, d, lo, hi) in paired_answered(records, a, b, n_boot=ns.n_boot).items():
+                    print(f"rho={x}: of the {n} samples the full cache answers fully right, {a} {ca}/{n}, {b} "
+                          f"{cb}/{n}: {d:+.1f} points (paired 95% interval {lo:+.1f} to {hi:+.1f})")
+                print()
         if i == 0 and ns.plot:
             plot(records, ns.plot)
     return 0

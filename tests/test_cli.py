@@ -40,7 +40,9 @@ def test_demo_tiny(capsys):
     """The README's main command, on a tiny random model: one table row per method, with the cache sizes."""
     main(["demo", "--tiny", "--context-tokens", "300", "--pool-kernel", "3"])
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[-4:]}
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("method "))
+    rows = {line.split()[0]: line.split() for line in lines[head + 1:head + 5]}
     assert sorted(rows) == ["full", "kvzip", "proxykv", "snapkv"]
     assert rows["full"][1] == "1.00" and rows["proxykv"][1] == "0.30"
     assert float(rows["proxykv"][-1]) < float(rows["full"][-1])  # KV MiB kept

@@ -217,6 +217,21 @@ def test_paired_difference():
         paired_difference(recs, "a", "missing", n_boot=20)
 
 
+def test_paired_answered_counts_and_interval():
+    from proxykv_hf.eval.report import paired_answered
+
+    # the full cache answers samples 0-3; a keeps 3 of them, b 1 (b's right answer on sample 4 is luck: not counted)
+    recs = _records({"full": [1, 1, 1, 1, 0], "a": [1, 1, 1, 0, 0], "b": [1, 0, 0, 0, 1]})
+    (n, ca, cb, diff, lo, hi), = paired_answered(recs, "a", "b", n_boot=300).values()
+    assert (n, ca, cb) == (4, 3, 1) and diff == pytest.approx(50.0)
+    assert 0.0 <= lo < 50.0 < hi <= 100.0  # paired: a never loses a sample b keeps, so no draw goes below 0
+    assert paired_answered(recs, "a", "a", n_boot=20)[0.3][3:] == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="no record"):
+        paired_answered([r for r in recs if not (r["method"] == "b" and r["sample"] == 2)], "a", "b", n_boot=20)
+    with pytest.raises(ValueError, match="answers no sample"):
+        paired_answered(_records({"full": [0, 0], "a": [1, 1], "b": [0, 0]}), "a", "b", n_boot=20)
+
+
 def test_statistic_scorer_matches_a_hand_computation():
     torch.manual_seed(0)
     B, H, H_kv, T, D = 1, 4, 2, 12, 8

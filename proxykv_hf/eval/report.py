@@ -317,6 +317,48 @@ def full_answered(records: list[dict]) -> list[dict]:
     return [r for r in records if r["method"] != "full" and (r["task"], r["context_length"], r["sample"]) in right]
 
 
+def paired_answered(records: list[dict], a: str, b: str, *, n_boot: int = 1000, seed: int = 0
+                    ) -> dict[float, tuple[int, int, int, float, float, float]]:
+    """Per keep ratio below 1.0 that both methods ran: over the samples the full cache answers fully right, how many
+    method ``a`` and method ``b`` still answer fully right, and ``a``'s share minus ``b``'s in points with a 95%
+    interval from redrawing those samples with replacement within each task (the same draw for both: paired).
+
+    Returns:
+        ``{ratio: (samples, a's count, b's count, difference, lo, hi)}``.
+
+    Raises:
+        ValueError: the full cache answers no sample fully right, or a method lacks a record on one of those samples
+            at a ratio the other ran.
+    """
+    import numpy as np
+
+    right = sorted(_full_right(records))
+    if not right:
+        raise ValueError("the full cache answers no sample fully right in these records")
+    index = {k: i for i, k in enumerate(right)}
+    ok: dict[tuple, bool] = {}
+    for r in full_answered(records):
+        if r["method"] in (a, b) and r["keep_ratio"] < 1.0:
+            ok[(r["method"], r["keep_ratio"], index[(r["task"], r["context_length"], r["sample"])])] = r["score"] >= 1
+    ratios = sorted({x for m, x, _ in ok if m == a} & {x for m, x, _ in ok if m == b})
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, (task, _, _) in enumerate(right):
+        groups[task].append(i)
+    rng = np.random.default_rng(seed)
+    draws = np.concatenate([rng.choice(g, size=(n_boot, len(g))) for _, g in sorted(groups.items())], axis=1)
+    out = {}
+    for x in ratios:
+        missing = [right[i] for m in (a, b) for i in range(len(right)) if (m, x, i) not in ok]
+        if missing:
+            raise ValueError(f"at keep ratio {x}, {a!r} or {b!r} has no record of (task, length, sample) {missing[0]}")
+        va = np.array([ok[(a, x, i)] for i in range(len(right))], dtype=float)
+        vb = np.array([ok[(b, x, i)] for i in range(len(right))], dtype=float)
+        diff = 100 * (va[draws].mean(1) - vb[draws].mean(1))
+        lo, hi = np.percentile(diff, [2.5, 97.5])
+        out[x] = (len(right), int(va.sum()), int(vb.sum()), float(100 * (va.mean() - vb.mean())), float(lo), float(hi))
+    return out
+
+
 def full_answered_table(records: list[dict], methods: list[str], ratios: list[float]) -> list[str]:
     """Markdown lines: per method and keep ratio, how many of the samples the full cache answers fully right it
     still answers fully right (``"14/16"``); no lines when the records hold no full-cache run."""
