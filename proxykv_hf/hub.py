@@ -211,7 +211,8 @@ def _card(ckpt: Checkpoint) -> str:
         f"| target | `{ckpt.target.model_id}` ({ckpt.target.num_layers} layers, {ckpt.target.num_kv_heads} KV heads) |",
         f"| proxy | {ckpt.proxy.kind}: `{ckpt.proxy.model_id or ckpt.proxy.layers or 'target attention'}` |",
         f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
-        f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,} |",
+        f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,}"
+        + (f" each, {len(ckpt.mappers)} mappers |" if ckpt.extra_mappers else " |"),
         f"| score pooling (`pool_kernel`) | {ckpt.pool_kernel} (1 = off) |",
         f"| mixing with earlier layers (`layer_mix`) | {ckpt.layer_mix:g} (0 = off) |",
     ]

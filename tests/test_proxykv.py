@@ -189,7 +189,9 @@ def test_combined_checkpoint_scores_each_layer_with_its_own_mapper(tmp_path, tar
     both = load_checkpoint(tmp_path / "ab")
     assert both.layer_mappers == [1, 0, 1, 0]
     assert both.training["combined"]["layers"] == [0, 2]
-    assert "`layer_mappers`, 0 = the first) | [1, 0, 1, 0]" in (tmp_path / "ab" / "README.md").read_text()
+    card = (tmp_path / "ab" / "README.md").read_text()
+    assert "`layer_mappers`, 0 = the first) | [1, 0, 1, 0]" in card
+    assert f"| mapper parameters | {sum(p.numel() for p in both.mapper.parameters()):,} each, 2 mappers |" in card
     for mine, theirs in ((both.mapper, load_checkpoint(path_a).mapper), (both.extra_mappers[0], ckpt.mapper)):
         for (name, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
             assert torch.equal(a, b), name
