@@ -15,10 +15,11 @@ How to run me (dev split: a choice is made on it)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from proxykv_hf.scorers.proxy import ProxyScorer
-from proxykv_hf.scorers.registry import ScorerContext, register
+from proxykv_hf.scorers import registry
+from proxykv_hf.scorers.registry import ScorerContext
 
 VARIABLE = "PROXYKV_CANDIDATES"
 
@@ -37,13 +38,12 @@ def parse(text: str) -> dict[str, str]:
 
 
 def build(path: str):
-    def build_candidate(ctx: ScorerContext) -> ProxyScorer:
-        return ProxyScorer.from_pretrained(path, proxy=ctx.proxy, proxy_device=ctx.proxy_device,
-                                           pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix,
-                                           global_norm=ctx.global_norm, compile_mapper=ctx.compile_mapper)
+    """The registry's own ``proxykv`` builder, with the mapper ``path`` in place of ``--mapper``."""
+    def build_candidate(ctx: ScorerContext):
+        return registry.build("proxykv", dataclasses.replace(ctx, mapper=path))
 
     return build_candidate
 
 
 for _name, _path in parse(os.environ.get(VARIABLE, "")).items():
-    register(f"proxykv_{_name}", build(_path), f"ProxyKV with the mapper in {_path}", replace=True)
+    registry.register(f"proxykv_{_name}", build(_path), f"ProxyKV with the mapper in {_path}", replace=True)
