@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from novelty_blend import novelty
-from surprisal_blend import rank01
+from surprisal_blend import blend_builder, rank01
 
 from proxykv_hf.scorers.proxy import ProxyScorer
 from proxykv_hf.scorers.registry import ScorerContext, register
@@ -58,8 +59,8 @@ class CopyNovelty(ProxyScorer):
         self._novelty: dict[int, torch.Tensor] = {}
 
     def fresh(self) -> "CopyNovelty":
-        new = super().fresh()
-        new.sources, new.weight, new.per_head, new._novelty = self.sources, self.weight, self.per_head, {}
+        new = super().fresh()  # a shallow copy: sources, weight and per_head come along
+        new._novelty = {}
         return new
 
     def score(self, inputs) -> torch.Tensor:
@@ -82,15 +83,15 @@ class CopyNovelty(ProxyScorer):
 
 
 def build(sources: tuple[int, ...], weight: float, per_head: bool = False):
+    blend = blend_builder(CopyNovelty, weight, "copy-novelty")
+
     def build_blend(ctx: ScorerContext) -> CopyNovelty:
-        if ctx.mapper is None:
-            raise ValueError("the copy-novelty blend needs a mapper checkpoint (--mapper)")
-        scorer = CopyNovelty.from_pretrained(ctx.mapper, pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix)
-        scorer.sources, scorer.weight = sources, weight
+        scorer = blend(ctx)
+        scorer.sources = sources
         if per_head:
             if not RETRIEVAL:
                 raise ValueError("the retN blends read each KV head's retrieval mass from PROXYKV_RETRIEVAL")
-            scorer.per_head = torch.tensor(json.load(open(RETRIEVAL)), dtype=torch.float32)
+            scorer.per_head = torch.tensor(json.loads(Path(RETRIEVAL).read_text()), dtype=torch.float32)
         return scorer
 
     return build_blend
