@@ -374,6 +374,31 @@ def test_init_from_may_switch_on_the_direct_path(self_data, tmp_path):
         train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, init_from=str(tmp_path / "b")))
 
 
+def test_init_from_may_switch_on_a_layer_embedding_that_starts_at_zero(self_data, tmp_path):
+    from proxykv_hf.train.loop import param_groups
+    from proxykv_hf.train.mapper_init import init_mapper_from
+
+    mcfg = mapper_config_for(self_data, "tiny", direct_path=True)
+    first = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=2))
+    emb_cfg = mapper_config_for(self_data, "tiny", direct_path=True, layer_embedding=True)
+    again = train_mapper(self_data, tmp_path / "b", emb_cfg,
+                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
+    assert again.mapper.layer_embedding is not None and not again.mapper.layer_embedding.weight.any()
+    widened = HybridAxialMapper(emb_cfg)  # (a training step moves BatchNorm's statistics even at lr 0)
+    init_mapper_from(widened, first.mapper)
+    x = torch.rand(1, mcfg.num_proxy_layers, mcfg.num_features, 40)
+    first.mapper.eval(), widened.eval()
+    torch.testing.assert_close(widened(x), first.mapper(x))  # a zero embedding: the scores it started from
+    groups = param_groups(again.mapper, fast_train(lr=1e-3, direct_path_lr_mult=50.0, layer_embedding_lr_mult=20.0))
+    assert [g.get("lr") for g in groups] == [None, pytest.approx(0.05), pytest.approx(0.02)]
+    assert [id(p) for p in groups[2]["params"]] == [id(again.mapper.layer_embedding.weight)]
+    moved = train_mapper(self_data, tmp_path / "c", emb_cfg,
+                         fast_train(max_steps=3, init_from=str(tmp_path / "a"), layer_embedding_lr_mult=20.0))
+    assert moved.mapper.layer_embedding.weight.any()  # it trains from zero
+    with pytest.raises(ValueError, match="layer_embedding_lr_mult"):
+        fast_train(layer_embedding_lr_mult=-1.0)
+
+
 def test_refit_direct_path_moves_only_the_direct_path_and_keeps_the_best_epoch(self_data, tmp_path):
     from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
     from proxykv_hf.train.evaluate import evaluate_mapper

@@ -14,12 +14,15 @@ from .config import TrainConfig
 
 
 def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
-    """AdamW parameter groups: the direct path (if any) at ``lr * direct_path_lr_mult``, the rest at ``lr``."""
-    direct = [p for n, p in mapper.named_parameters() if n.startswith("direct.")]
-    rest = [p for n, p in mapper.named_parameters() if not n.startswith("direct.")]
-    groups = [{"params": rest}]
-    if direct:
-        groups.append({"params": direct, "lr": cfg.lr * cfg.direct_path_lr_mult})
+    """AdamW parameter groups: the direct path (if any) at ``lr * direct_path_lr_mult``, the layer embedding (if
+    any) at ``lr * layer_embedding_lr_mult``, the rest at ``lr``."""
+    mults = {"direct.": cfg.direct_path_lr_mult, "layer_embedding.": cfg.layer_embedding_lr_mult}
+    named = list(mapper.named_parameters())
+    groups = [{"params": [p for n, p in named if not n.startswith(tuple(mults))]}]
+    for prefix, mult in mults.items():
+        params = [p for n, p in named if n.startswith(prefix)]
+        if params:
+            groups.append({"params": params, "lr": cfg.lr * mult})
     return groups
 
 
