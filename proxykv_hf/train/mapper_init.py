@@ -14,7 +14,7 @@ from .manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
-# mapper fields whose new parameters start as a no-op: value off (a layer embedding switched on starts at zero)
+# mapper fields whose new parameters start at zero, a no-op: value off
 ADDITIVE_FIELDS = {"direct_path": False, "layer_embedding": False}
 # the input transform a dataset's statistic gets by default: sums through log1p, probabilities (maxima) through log
 STATISTIC_TRANSFORMS = {"sum": "log1p", "max": "log", "lookback": "log"}
@@ -67,14 +67,13 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
     """Copy the weights of ``start`` into ``mapper`` (``TrainConfig.init_from``).
 
     The configs must be equal, except that ``mapper`` may switch on fields of :data:`ADDITIVE_FIELDS` that
-    ``start`` has off (the parameters those add start as a no-op: the direct path keeps its zero initialisation, a
-    layer embedding is set to zero), and may read more feature statistics (:data:`WIDENING_INPUTS`: e.g. the sum
-    and the max where ``start`` read the sum; the weights on the new feature rows start at zero) or more earlier
-    proxy layers in the direct path (``direct_context``), the statistics each through its own transform
-    (``input_transform="log1p,log"`` after ``"log1p"``). Either way ``mapper`` starts out computing exactly what
-    ``start`` computes. It may also read another number of proxy layers (``num_proxy_layers``, e.g. a self proxy's
-    layer subset, ``TrainConfig.proxy_layers``): no weight depends on it, only which proxy layer each target layer
-    reads.
+    ``start`` has off (the parameters those add are set to zero, a no-op), and may read more feature statistics
+    (:data:`WIDENING_INPUTS`: e.g. the sum and the max where ``start`` read the sum; the weights on the new feature
+    rows start at zero) or more earlier proxy layers in the direct path (``direct_context``), the statistics each
+    through its own transform (``input_transform="log1p,log"`` after ``"log1p"``). Either way ``mapper`` starts
+    out computing exactly what ``start`` computes. It may also read another number of proxy layers
+    (``num_proxy_layers``, e.g. a self proxy's layer subset, ``TrainConfig.proxy_layers``): no weight depends on it,
+    only which proxy layer each target layer reads.
     """
     new, old = mapper.config.to_dict(), start.config.to_dict()
     diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
@@ -98,8 +97,8 @@ def init_mapper_from(mapper: HybridAxialMapper, start: HybridAxialMapper, name: 
     missing, unexpected = mapper.load_state_dict(state, strict=False)
     if unexpected:
         raise ValueError(f"{name}: unexpected parameters {unexpected}")
-    if "layer_embedding" in diff:
-        with torch.no_grad():
-            mapper.layer_embedding.weight.zero_()  # each layer's shift starts at zero: the same scores as start
-    logger.info("initialised the mapper from %s%s%s", name, f" (new, at their init: {missing})" if missing else "",
+    with torch.no_grad():  # what start lacks (an additive field's weights) starts at zero: the same scores as start
+        for param in missing:
+            mapper.get_parameter(param).zero_()
+    logger.info("initialised the mapper from %s%s%s", name, f" (new, at zero: {missing})" if missing else "",
                 f" (widened: {sorted(grown)})" if grown else "")
