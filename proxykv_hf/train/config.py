@@ -45,9 +45,9 @@ class TrainConfig:
         loss: the hybrid loss coefficients.
         init_from: start from the weights of this mapper checkpoint (directory or Hub id; fine-tuning on new
             data); its mapper config must equal the one trained, except that the new one may add parameters
-            that start as a no-op (``direct_path``: those keep their zero initialisation; ``layer_embedding``: set
-            to zero). Optimizer, schedule and step count start fresh. Ignored when resuming a run from
-            ``out_dir/last``.
+            that start as a no-op (the fields of ``mapper_init.ADDITIVE_FIELDS``, ``direct_path`` and
+            ``layer_embedding``: their parameters start at zero). Optimizer, schedule and step count start fresh.
+            Ignored when resuming a run from ``out_dir/last``.
         direct_path_lr_mult: learning-rate multiplier of the mapper's direct-path parameters
             (``MapperConfig.direct_path``, beyond the paper): they are a few hundred linear weights that start at
             zero, so at the encoder's learning rate they would move ~``lr`` per step; warmup and plateau decay
