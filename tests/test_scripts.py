@@ -93,26 +93,6 @@ def test_gpu_scripts_parse_their_arguments(script):
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-3000:]
 
 
-def test_needle_heads_counts_the_heads_that_keep_the_value(tmp_path):
-    """needle_heads.py on a tiny model: one record per sample and method; the full cache keeps the value and its key
-    phrase in every head, KVzip at rho 0.3 not all of it; a sample outside the task's samples is refused."""
-    out = tmp_path / "heads.jsonl"
-    done = run("needle_heads.py", "--tiny", "--task", "needle:filler-dev", "--n-samples", "2", "--samples", "0", "1",
-               "--context-length", "300", "--methods", "full", "kvzip", "--keep-ratio", "0.3", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-3000:]
-    recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["sample"], r["method"]) for r in recs] == [(0, "full"), (0, "kvzip"), (1, "full"), (1, "kvzip")]
-    for r in recs:
-        assert r["heads"] == 8 and len(r["value_heads_by_layer"]) == 4
-        if r["method"] == "full":
-            assert r["value_heads"] == 8 and r["value_kept"] == 1.0 and r["key_kept"] == 1.0
-        else:
-            assert 0 <= r["value_kept"] < 1
-    done = run("needle_heads.py", "--tiny", "--task", "needle:filler-dev", "--n-samples", "2", "--samples", "5",
-               "--context-length", "300", "--out", str(out))
-    assert done.returncode != 0 and "outside the 2 samples" in done.stderr
-
-
 def test_build_train_data_runs_one_job_per_task_at_its_seed_and_merges(tmp_path):
     from proxykv_hf.testing import tiny_tokenizer
     from proxykv_hf.train.features import text_key

