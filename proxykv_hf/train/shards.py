@@ -129,13 +129,23 @@ def merge_datasets(sources: Sequence[str | os.PathLike], out_dir: str | os.PathL
     Raises:
         ValueError: fewer than two sources, mismatched sources, a text in two sources, or a non-empty ``out_dir``.
     """
-    from safetensors.torch import load_file
-
     if len(sources) < 2:
         raise ValueError(f"merge needs at least two datasets, got {len(sources)}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} is not empty; merge into a new directory")
+    return merge_into(sources, out)
+
+
+def merge_into(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> Manifest:
+    """:func:`merge_datasets` without its checks on ``out_dir``: one source or more, written as ``shard-*`` and
+    ``manifest.json`` into ``out_dir`` beside what it holds (a distributed build merges its ranks' directories
+    into their parent). ``out_dir`` must hold no shards or manifest of its own."""
+    from safetensors.torch import load_file
+
+    if not sources:
+        raise ValueError("merge needs at least one dataset, got none")
+    out = Path(out_dir)
     manifests = [Manifest.load(s) for s in sources]
     first = manifests[0]
     for src, m in zip(sources[1:], manifests[1:]):
