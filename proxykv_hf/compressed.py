@@ -76,7 +76,13 @@ class CompressedContext:
             raise ValueError("this compressed context holds no text (or no tokenizer), so questions cannot be "
                              "tokenized against it; compress it with ProxyKVPipeline.compress")
         context, question_ids = encode_context(self.tokenizer, self.text, question)
-        if context != self.ids[0].tolist():
+        held = self.ids[0].tolist()
+        if len(held) > len(context) and held[:len(context)] == context:
+            raise ValueError(f"this compressed context's cache holds {len(held)} tokens, {len(held) - len(context)} "
+                             f"after the context's {len(context)}: it was continued (a conversation generated on "
+                             "its cache); ask questions on the context as compressed or loaded, not on a continued "
+                             "cache")
+        if context != held:
             raise ValueError(f"the chat template renders the context to other ids with the question {question!r} "
                              "than the compressed ones; ask it on the uncompressed text")
         return question_ids

@@ -7,15 +7,16 @@ of two files:
 * ``context.json``, the header: :data:`FORMAT_VERSION`, the library version, the model (its name, a fingerprint of
   its config, a probe of its weights: :mod:`proxykv_hf.fingerprints`), the tokenizer's fingerprint (when one was
   given), the K/V dtype, the cache's settings (``keep_ratio``, ``budget``, ``n_sink``, ``n_recent``), the scorer's
-  :meth:`~proxykv_hf.scorers.base.Scorer.settings`, each layer's scalar state, and the size and SHA-256 of the
-  tensor file.
+  :meth:`~proxykv_hf.scorers.base.Scorer.settings`, each layer's scalar state, the size and SHA-256 of the
+  tensor file, and the SHA-256 of all of that (checked, then every field, by :mod:`proxykv_hf.context_header`).
 * ``context.safetensors``: every tensor the cache holds, as stored: each layer's K/V (uniform ``(B, H_kv, K + t, D)``
   or the global budget's packed ``(1, 1, N, D)``), the kept positions, budgets, spare-slot masks and packed indices,
   a sliding layer's window, the token ids held (prompt and everything appended), the prompt's padding mask, and
   optionally the context's text.
 
 :func:`save_context` writes both into a temporary directory beside the target and renames it into place
-(:func:`write_directory`), so a crash never leaves a half context. :func:`read_context` (behind
+(:func:`~proxykv_hf.context_files.write_directory`), so a crash never leaves a half context; only an empty directory
+or a saved context is ever replaced. :func:`read_context` (behind
 ``ProxyKVCache.load_context``) checks everything before it builds the cache, and refuses with a ``ValueError`` naming
 the file: another model (config fingerprint, or weights probe), another tokenizer, another dtype (unless
 ``dtype="convert"``), a newer format, a truncated or corrupt file.
@@ -28,12 +29,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -41,80 +40,22 @@ from safetensors.torch import load_file, save_file
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from . import attention
-from .fingerprints import describe_model, dtype_name, library_version, tokenizer_fingerprint
-from .layer import ProxyKVLayer
+from .context_files import HEADER_NAME, TENSORS_NAME, normalize, write_directory
+from .context_header import CHECKSUM, LAYER_SCALARS, LAYER_TENSORS, MAX_HEADER_BYTES, check_header, \
+    check_layer_tensors, header_checksum, parse_header
+from .fingerprints import describe_model, dtype_name, library_version, model_mismatch, tokenizer_fingerprint
+from .layer import INDEX_DTYPE, ProxyKVLayer
 from .scorers.base import Prompt
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The version this library writes, and the newest it reads."""
-HEADER_NAME = "context.json"
-TENSORS_NAME = "context.safetensors"
 DTYPE_POLICIES = ("refuse", "convert")
-_LAYER_TENSORS = ("keys", "values", "kept_positions", "budgets", "slot_valid", "owner", "position")
-_LAYER_SCALARS = ("cumulative_length", "compacted", "compacted_at", "ragged", "n_kv_heads", "freed")
+_LAYER_TENSORS, _LAYER_SCALARS = LAYER_TENSORS, LAYER_SCALARS
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def write_directory(path: str | os.PathLike, fill: Callable[[Path], None], *, overwrite: bool = True) -> bool:
-    """Create the directory ``path`` whole or not at all: ``fill(tmp)`` writes into a fresh temporary directory
-    beside it, which is then renamed to ``path``.
-
-    Args:
-        path: the directory to create.
-        fill: writes the files (and fsyncs them) into the directory it is given.
-        overwrite: replace an existing saved context at ``path`` (a directory holding a ``context.json``, or an empty
-            one); False keeps an existing one: two writers racing for one path, the first rename wins.
-
-    Returns:
-        True when this call's directory is at ``path``; False when ``overwrite`` is False and another was already
-        there (this call's copy is discarded).
-
-    Raises:
-        FileExistsError: ``path`` is a file, or a directory that is not a saved context (never overwritten).
-    """
-    path = Path(path)
-    if path.exists() and not (path.is_dir() and (not any(path.iterdir()) or (path / HEADER_NAME).is_file())):
-        raise FileExistsError(f"{path} exists and is not a saved context; give a new or empty directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-    tmp.mkdir()  # the umask's permissions, as any directory the user makes
-    try:
-        fill(tmp)
-        if overwrite and path.is_dir() and any(path.iterdir()):
-            old = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.old"
-            os.replace(path, old)  # two renames: at every moment `path` is absent, the old context or the new one
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.rename(tmp, path)  # fails when another writer's non-empty directory got there first
-            except OSError:
-                if not (path / HEADER_NAME).is_file():
-                    raise
-                shutil.rmtree(tmp, ignore_errors=True)
-                return False
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync(path.parent)
-    return True
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # a directory cannot be opened on some systems: best effort
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _to_cpu(tensors: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
     """``tensors[name]``: ``tensor`` on the CPU, contiguous and owning exactly its storage (safetensors writes no
     views or shared storage)."""
@@ -205,15 +146,17 @@ def save_context(cache, path: str | os.PathLike, tokenizer=None, *, text: str | 
         header["tensors"] = {"file": TENSORS_NAME, "bytes": (tmp / TENSORS_NAME).stat().st_size,
                              "sha256": _file_sha256(tmp / TENSORS_NAME),
                              "payload_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-        (tmp / HEADER_NAME).write_text(json.dumps(header, indent=1, sort_keys=True, default=str) + "\n")
+        body = json.loads(json.dumps(header, default=str))  # as read back, then covered by the checksum
+        body[CHECKSUM] = header_checksum(body)
+        (tmp / HEADER_NAME).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         for name in (TENSORS_NAME, HEADER_NAME):
-            os.chmod(tmp / name, tmp.stat().st_mode & 0o666)  # the umask's permissions (safetensors writes 0600)
             with open(tmp / name, "rb+") as f:
                 os.fsync(f.fileno())
 
+    path = normalize(path)
     if write_directory(path, fill, overwrite=overwrite):
         logger.info("saved a context of %d tokens to %s", len(cache.conversation), path)
-    return Path(path)
+    return path
 
 
 def _file_sha256(path: Path) -> str:
@@ -230,7 +173,8 @@ def read_header(path: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: no such directory, or no ``context.json`` in it.
-        ValueError: the header is not valid JSON, not a context header, or of a newer format (names the file).
+        ValueError: the header is not valid JSON, not a context header, of another format version, not matching
+            its checksum, or holding a field of the wrong type or range (names the file).
     """
     path = Path(path)
     if not path.is_dir():
@@ -238,9 +182,12 @@ def read_header(path: str | os.PathLike) -> dict:
     file = path / HEADER_NAME
     if not file.is_file():
         raise FileNotFoundError(f"{path} is not a saved context: it has no {HEADER_NAME}")
+    if file.stat().st_size > MAX_HEADER_BYTES:
+        raise ValueError(f"{file} holds {file.stat().st_size} bytes, more than a context header can "
+                         f"({MAX_HEADER_BYTES}); the context is damaged")
     try:
-        header = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
+        header = parse_header(file.read_text(), file)
+    except UnicodeDecodeError as err:
         raise ValueError(f"{file} is not valid JSON ({err}); the context is damaged") from err
     if not isinstance(header, dict) or header.get("format") != "proxykv_hf context":
         raise ValueError(f"{file} is not the header of a saved proxykv_hf context")
@@ -251,15 +198,18 @@ def read_header(path: str | os.PathLike) -> dict:
         raise ValueError(f"{file} has format_version {version} (written by proxykv_hf "
                          f"{header.get('library_version')}), newer than the {FORMAT_VERSION} this proxykv_hf "
                          f"({library_version()}) reads: upgrade proxykv_hf")
-    for key in ("model", "dtype", "cache", "state", "tensors"):
-        if not isinstance(header.get(key), (dict, str)):
-            raise ValueError(f"{file} is malformed: no {key!r}")
+    if version < FORMAT_VERSION:
+        raise ValueError(f"{file} has format_version {version} (written by proxykv_hf "
+                         f"{header.get('library_version')}), older than the {FORMAT_VERSION} this proxykv_hf reads "
+                         "(it identifies the model by fewer of its weights): compress the context again")
+    check_header(header, file)  # the checksum, then every field's type and range
     return header
 
 
 def check_fits(header: dict, file: Path, model, tokenizer=None, *, scorer=None, dtype: str = "refuse") -> dict:
     """Raise a ``ValueError`` naming ``file`` when the context of ``header`` does not fit ``model`` (config
-    fingerprint; weights probe where the dtypes agree), ``tokenizer`` (when both sides have one), the model's dtype
+    fingerprint; weights probe where the dtypes agree, weights sketch within rounding where they do not: also under
+    ``dtype="convert"``), ``tokenizer`` (when both sides have one), the model's dtype
     (unless ``dtype="convert"``) or ``scorer`` (its settings, when one is given). Returns :func:`describe_model`
     of ``model``."""
     if dtype not in DTYPE_POLICIES:
@@ -276,11 +226,9 @@ def check_fits(header: dict, file: Path, model, tokenizer=None, *, scorer=None, 
         raise ValueError(f"{file} holds {header['dtype']} K/V, but the model runs in {mine['dtype']}: load the model "
                          f"in {header['dtype']}, or pass dtype='convert' to cast the K/V to {mine['dtype']} (answers "
                          "may then differ from the saved cache's by the rounding)")
-    if saved.get("dtype") == mine["dtype"] and None not in (saved.get("weights_probe"), mine["weights_probe"]) and \
-            saved["weights_probe"] != mine["weights_probe"]:
-        raise ValueError(f"{file} was saved from a model of the same config but other weights ({saved.get('name')!r}, "
-                         f"weights probe {saved['weights_probe']}, against {mine['name']!r}, "
-                         f"{mine['weights_probe']}): its K/V mean nothing to this model")
+    other = model_mismatch(saved, mine, convert=True)  # the weights: the probe, or the sketch across dtypes
+    if other is not None:
+        raise ValueError(f"{file} {other}")
     want = header.get("tokenizer_fingerprint")
     if tokenizer is not None and want is not None and tokenizer_fingerprint(tokenizer) != want:
         raise ValueError(f"{file} was saved with another tokenizer (fingerprint {want}, this one's "
@@ -342,12 +290,20 @@ def read_context(path: str | os.PathLike, model, tokenizer=None, *, cache_class,
         ValueError: whatever does not fit or cannot be read (:func:`read_header`, :func:`check_fits`, a truncated or
             corrupt tensor file, tensors that do not fit the header), naming the file. The model is left untouched.
     """
-    path = Path(path)
+    path = normalize(path)
     header = read_header(path)
     file = path / HEADER_NAME
     try:
         mine = check_fits(header, file, model, tokenizer, scorer=scorer, dtype=dtype)
-        tensors = _read_tensors(path, header)
+        try:
+            tensors = _read_tensors(path, header)
+        except (FileNotFoundError, ValueError):
+            again = read_header(path)  # the directory was replaced between the two reads: read the new one once
+            if again == header:
+                raise
+            header = again
+            mine = check_fits(header, file, model, tokenizer, scorer=scorer, dtype=dtype)
+            tensors = _read_tensors(path, header)
         state, settings = header["state"], header["cache"]
         want = {f"layers.{i}.{name}" for i, layer in enumerate(state["layers"]) for name in layer["tensors"]}
         want |= {"prompt.valid"} | ({"conversation.ids"} if state["ids_known"] else set())
@@ -388,8 +344,13 @@ def _fill(cache, state: dict, tensors: dict[str, torch.Tensor], model, dtype: st
                          f"{kinds}")
     kv_dtype = getattr(torch, dtype)
     length, batch = state["length"], state["batch"]
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None)
     for i, (layer, info, device) in enumerate(zip(cache.layers, saved, _layer_devices(model, len(saved)))):
         own = {name: tensors[f"layers.{i}.{name}"] for name in info["tensors"]}
+        if info["kind"] == "proxykv":  # names, dtypes, shapes and index ranges, before anything is set on the layer
+            check_layer_tensors(i, info, own, batch=batch, n_kv_heads=n_kv, head_dim=head_dim, file=file)
         keys, values = own.pop("keys").to(device, kv_dtype), own.pop("values").to(device, kv_dtype)
         if keys.dim() != 4 or keys.shape[:3] != values.shape[:3] or info["cumulative_length"] != length:
             raise ValueError(f"{file}: layer {i} holds K/V of shapes {tuple(keys.shape)} / {tuple(values.shape)} "
@@ -407,7 +368,8 @@ def _fill(cache, state: dict, tensors: dict[str, torch.Tensor], model, dtype: st
         for name in _LAYER_SCALARS[1:]:
             setattr(layer, name, info[name])
         for name, value in own.items():
-            setattr(layer, name, value if name == "budgets" else value.to(device))  # budgets live on the CPU
+            setattr(layer, name, value if name == "budgets" else  # budgets live on the CPU
+                    value.to(device, INDEX_DTYPE) if name in ("owner", "position") else value.to(device))
         if (keys.shape[0] != batch) if not layer.ragged else (keys.shape[:2] != (1, 1) or
                                                               layer.owner.shape[0] != keys.shape[2]):
             raise ValueError(f"{file}: layer {i} holds K/V of shape {tuple(keys.shape)}, not of a batch of {batch}")

@@ -391,7 +391,8 @@ def _convert(gguf_file: Path, root: Path, out: Path, stamp: dict[str, Any] | Non
     for leftover in root.glob(f".{name}.tmp-*"):  # from an interrupted run; we hold the lock
         shutil.rmtree(leftover, ignore_errors=True)
 
-    logger.info("converting %s to safetensors under %s (once; from ~20 s for SmolLM2 to a few minutes for the 1.5B)", gguf_file.name, out)
+    logger.info("converting %s to safetensors under %s (once; from ~20 s for SmolLM2 to a few minutes for the 1.5B)",
+                gguf_file.name, out)
     start = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)

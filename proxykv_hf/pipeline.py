@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, TextGenerationPipeline
 from .cache import ProxyKVCache
 from .compat import with_cache
 from .compressed import CompressedContext, encode_context
+from .fingerprints import describe_model, model_mismatch
 from .scorers.base import Scorer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,12 @@ def answer_from_cache(model, cache: ProxyKVCache, context_ids: torch.Tensor, que
     return out[:, ids.shape[1]:]
 
 
+def _check_not_empty(ids: list[int], context: str) -> None:
+    if not ids:
+        raise ValueError(f"the context is empty: {context[:40]!r} gives no tokens before the question in the chat "
+                         "template, so there is nothing to compress; give a non-empty context")
+
+
 class ProxyKVPipeline:
     """Generation with a fresh ProxyKV cache per call; one compressed context can answer several questions.
 
@@ -132,6 +139,7 @@ class ProxyKVPipeline:
         answers any number of later questions through :meth:`ask`: here, or after ``.save(path)`` in another process
         (:meth:`load`)."""
         ids, _ = encode_context(self.tokenizer, context)
+        _check_not_empty(ids, context)
         cache = compress_context(self.model, self.new_cache(), torch.tensor([ids], device=self.model.device))
         return CompressedContext(cache, context, self.tokenizer)
 
@@ -154,9 +162,14 @@ class ProxyKVPipeline:
         questions = [questions] if single else list(questions)
         if isinstance(context, CompressedContext):
             cache, ctx = context.cache, context.ids
+            filled_by = cache.model_description()  # None: a cache that does not know its model (nothing to check)
+            other = None if filled_by is None else model_mismatch(filled_by, describe_model(self.model))
+            if other is not None:
+                raise ValueError(f"this compressed context {other}; compress it with this pipeline's model")
             parts = [(None, context.question_ids(q)) for q in questions]
         else:
             parts = [encode_chat_prompt(self.tokenizer, context, q) for q in questions]  # (context, question ids)
+            _check_not_empty(parts[0][0], context)
             ctx = torch.tensor([parts[0][0]], device=self.model.device)
             if any(c != parts[0][0] for c, _ in parts):
                 raise ValueError("the chat template renders the context differently for different questions; ask "

@@ -12,6 +12,8 @@ An entry is one saved context (:mod:`proxykv_hf.contexts`) in a directory named 
 all (a temporary directory renamed into place), so a crash never leaves a half entry that a later run loads; two
 processes filling one entry at once both compress, the first rename wins and the other discards its copy. With
 ``max_bytes`` the least recently used entries are removed (renamed away, then deleted) once the store is larger.
+Only the store's own entries (saved contexts, recognised by their header:
+:func:`~proxykv_hf.context_files.is_saved_context`) are counted, evicted or repaired; anything else is left alone.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 from .compressed import CompressedContext
+from .context_files import is_saved_context, is_temp, remove_context
 from .contexts import FORMAT_VERSION, save_context
 from .fingerprints import describe_model, digest, tokenizer_fingerprint
 
@@ -74,8 +76,16 @@ class ContextStore:
         """``text`` compressed by ``pipeline`` (a :class:`~proxykv_hf.pipeline.ProxyKVPipeline`): loaded from its
         entry when there is one, else compressed (:meth:`ProxyKVPipeline.compress
         <proxykv_hf.pipeline.ProxyKVPipeline.compress>`) and stored. An entry that cannot be loaded (damaged on
-        disk) is replaced."""
+        disk, e.g. missing its tensor file) is replaced.
+
+        Raises:
+            FileExistsError: the entry's name is taken by something that is not a saved context (left alone),
+                before anything is compressed.
+        """
         entry = self.directory / self.key(pipeline, text)
+        if (entry.exists() or entry.is_symlink()) and not is_saved_context(entry):
+            raise FileExistsError(f"context store entry {entry} is not a saved context (not written by this store); "
+                                  "it is left alone: move it away")
         found = self._load(pipeline, entry, text)
         if found is not None:
             self.hits += 1
@@ -93,23 +103,23 @@ class ContextStore:
             return None
         try:
             found = pipeline.load(entry)
-        except FileNotFoundError:  # evicted by another process meanwhile
-            return None
-        except ValueError as err:
-            logger.warning("context store entry %s cannot be loaded (%s); compressing it again", entry, err)
-            _remove(entry)
+        except (FileNotFoundError, ValueError) as err:  # evicted by another process meanwhile, or damaged
+            if is_saved_context(entry):
+                logger.warning("context store entry %s cannot be loaded (%s); compressing it again", entry, err)
+                remove_context(entry)
             return None
         if found.text != text:  # a digest collision, or an entry written by hand
             logger.warning("context store entry %s holds another text; compressing it again", entry)
-            _remove(entry)
+            remove_context(entry)
             return None
         return found
 
     def entries(self) -> list[Path]:
-        """The entries, least recently used first."""
+        """The entries (saved contexts: nothing else in the directory is counted, evicted or repaired), least
+        recently used first."""
         found = []
         for path in self.directory.iterdir():
-            if not path.name.startswith(".") and path.is_dir():
+            if not path.name.startswith(".") and is_saved_context(path):
                 try:
                     found.append((path.stat().st_mtime, path))
                 except FileNotFoundError:  # removed meanwhile
@@ -124,7 +134,7 @@ class ContextStore:
         """Remove crashed writers' temporary directories, then evict past ``max_bytes`` (never ``keep``)."""
         now = time.time()
         for path in self.directory.iterdir():
-            if path.name.startswith(".") and path.name.endswith((".tmp", ".old")):
+            if is_temp(path):
                 try:
                     stale = now - path.stat().st_mtime > STALE_SECONDS or path.name.endswith(".old")
                 except FileNotFoundError:
@@ -140,7 +150,7 @@ class ContextStore:
                 break
             if path.name != keep:
                 logger.info("context store: evicting %s (%d bytes)", path.name, size)
-                _remove(path)
+                remove_context(path)
                 total -= size
 
 
@@ -160,12 +170,3 @@ def _size(path: Path) -> int:
             continue
     return total
 
-
-def _remove(path: Path) -> None:
-    """Remove an entry at once (renamed away, so that no reader finds it half deleted), then delete it."""
-    trash = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.old"
-    try:
-        os.replace(path, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)

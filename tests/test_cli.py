@@ -378,3 +378,23 @@ def test_field_docs_edge_cases():
 
     assert field_docs(NoDoc) == {}
     assert field_docs(Doc) == {"a": "uses Thing and 50% of x. Second line."}
+
+
+def test_generate_prints_answers_as_plain_text(capsys):
+    main(["generate", "--tiny", "--method", "snapkv", "--prompt", "the code is 12. " * 10, "--question", "code?",
+          "again?", "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert out.startswith("Q: code?\nA: ") and "\n\nQ: again?\nA: " in out and "['" not in out
+    main(["generate", "--tiny", "--method", "snapkv", "--prompt", "the code is 12. " * 10, "--question", "code?",
+          "--max-new-tokens", "3"])
+    out = capsys.readouterr().out
+    assert not out.startswith(("Q:", "[")) and out.strip()
+
+
+def test_install_models_prints_pinned_requirements(capsys):
+    main(["install-models", "qwen2.5-coder-0.5b-instruct", "--print-requirements"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6 and all(" --hash=sha256:" in line and "==0.9.0" in line for line in lines)
+    with pytest.raises(SystemExit) as err:
+        main(["install-models", "qwen-7b"])
+    assert err.value.code == 2

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyKVPipeline, ProxyScorer, SnapKVScorer
 from proxykv_hf.cli import main
 from proxykv_hf.compat import with_cache
-from proxykv_hf.contexts import HEADER_NAME, TENSORS_NAME, read_context, write_directory
+from proxykv_hf.contexts import FORMAT_VERSION, HEADER_NAME, TENSORS_NAME, read_context, write_directory
 from proxykv_hf.hub import Checkpoint, TargetSpec
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.pipeline import compress_context
@@ -211,9 +213,10 @@ def test_another_dtype_is_refused_unless_converted(world, copy):
 
 def test_a_newer_format_is_refused(world, copy):
     header = json.loads((copy / HEADER_NAME).read_text())
-    header["format_version"] = 2
+    header["format_version"] = FORMAT_VERSION + 1
     (copy / HEADER_NAME).write_text(json.dumps(header))
-    with pytest.raises(ValueError, match="format_version 2 .* newer than the 1 this proxykv_hf .* upgrade") as info:
+    with pytest.raises(ValueError, match=f"format_version {FORMAT_VERSION + 1} .* newer than the {FORMAT_VERSION} "
+                                         "this proxykv_hf .* upgrade") as info:
         ProxyKVCache.load_context(copy, world[0])
     assert str(copy / HEADER_NAME) in str(info.value)
 
@@ -250,7 +253,7 @@ def test_what_cannot_be_saved(world, tmp_path):
     cache = compressed(model, scorers["snapkv"])
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="exists and is not a saved context"):
+    with pytest.raises(FileExistsError, match="is not empty and not a saved proxykv_hf context"):
         cache.save_context(tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
 
@@ -313,3 +316,247 @@ def test_cli_compress_then_generate_from_the_context(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--context", str(tmp_path / "ctx"), "--question", "code?"])  # names no model
     assert "does not name its model" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ where a save writes
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and directory (None) under ``root``, by relative path."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def test_a_directory_that_is_not_a_saved_context_is_never_replaced(world, tmp_path):
+    model, tok, scorers = world
+    cache = compressed(model, scorers["snapkv"])
+    user = tmp_path / "webapp"
+    (user / "src").mkdir(parents=True)
+    (user / HEADER_NAME).write_text('{"theme": "dark"}')  # an application's own file of that name
+    (user / "src" / "main.py").write_text("print('my code')\n")
+    before = _tree(user)
+    with pytest.raises(FileExistsError, match="not a saved proxykv_hf context") as info:
+        cache.save_context(user, tok)
+    assert str(user) in str(info.value) and _tree(user) == before
+    saved = tmp_path / "ctx"
+    cache.save_context(saved, tok)
+    (saved / "notes.txt").write_text("mine")  # a saved context with a file of the user's beside it
+    with pytest.raises(FileExistsError):
+        cache.save_context(saved, tok)
+    assert (saved / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["ctx",
+                                                                                                          "webapp"]
+
+
+def test_saving_keeps_a_private_directory_private(world, tmp_path):
+    model, tok, scorers = world
+    cache = compressed(model, scorers["snapkv"])
+    old_umask = os.umask(0o022)
+    try:
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        cache.save_context(private, tok)  # an empty directory: filled in place
+        modes = [private.stat().st_mode & 0o777, *((private / n).stat().st_mode & 0o777 for n in
+                                                    (HEADER_NAME, TENSORS_NAME))]
+        cache.save_context(private, tok)  # a saved context: replaced, keeping its mode
+        modes += [private.stat().st_mode & 0o777, (private / TENSORS_NAME).stat().st_mode & 0o777]
+        cache.save_context(tmp_path / "shared", tok)  # a new directory: the umask's permissions
+        shared = [(tmp_path / "shared").stat().st_mode & 0o777, (tmp_path / "shared" / HEADER_NAME).stat().st_mode
+                  & 0o777]
+    finally:
+        os.umask(old_umask)
+    assert modes == [0o700, 0o600, 0o600, 0o700, 0o600] and shared == [0o755, 0o644]
+    assert ProxyKVCache.load_context(private, model, tok).get_seq_length() == cache.get_seq_length()
+
+
+def test_dot_tilde_and_long_names_are_saved_where_they_say(world, tmp_path, monkeypatch):
+    model, tok, scorers = world
+    cache = compressed(model, scorers["snapkv"])
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert cache.save_context(".", tok) == here  # an empty working directory, filled in place
+    cache.save_context(".", tok)  # and replaced in place: the working directory stays the same directory
+    assert sorted(os.listdir(".")) == [HEADER_NAME, TENSORS_NAME]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache.save_context("~/ctx", tok) == tmp_path / "home" / "ctx" and not (here / "~").exists()
+    assert ProxyKVCache.load_context("~/ctx", model, tok).get_seq_length() == cache.get_seq_length()
+    long = tmp_path / ("c" * 245)  # a valid name, whose temporary sibling must still be one
+    cache.save_context(long, tok)
+    cache.save_context(long, tok)
+    assert sorted(p.name for p in long.iterdir()) == [HEADER_NAME, TENSORS_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c" * 245, "here", "home"])
+
+
+def test_a_load_overlapping_a_resave_gets_the_old_or_the_new_context(world, tmp_path, monkeypatch):
+    import proxykv_hf.contexts as contexts
+
+    model, tok, scorers = world
+    old, new = (compress_context(model, ProxyKVCache(scorers["snapkv"], 0.3),
+                                 random_prompt(1, n, seed=n)["input_ids"]) for n in (60, 70))
+    path = tmp_path / "ctx"
+    old.save_context(path)
+    real, calls = contexts.check_fits, []
+
+    def check_then_resave(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not calls:
+            new.save_context(path)  # the refresh lands between reading the header and the tensors
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(contexts, "check_fits", check_then_resave)
+    assert ProxyKVCache.load_context(path, model).get_seq_length() == 70 and len(calls) == 2
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                     max_leaves=6)
+_NAMES = st.lists(st.sampled_from(["a", "b", "src", HEADER_NAME, TENSORS_NAME]), min_size=1, max_size=3)
+_CONTENT = st.binary(max_size=20) | _JSON.map(lambda v: json.dumps(v).encode()) | \
+    st.fixed_dictionaries({"format": st.just("proxykv_hf context"), "format_version": st.integers(0, 3),
+                           "tensors": st.just({})}).map(lambda v: json.dumps(v).encode())
+
+
+@given(tree=st.dictionaries(_NAMES.map("/".join), _CONTENT, min_size=1, max_size=6))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_no_save_or_store_operation_changes_a_tree_that_is_not_a_saved_context(world, tmp_path_factory, tree):
+    from proxykv_hf import ContextStore
+    from proxykv_hf.context_files import is_saved_context
+
+    model, tok, scorers = world
+    root = tmp_path_factory.mktemp("tree")
+    for name, data in tree.items():  # a file where no earlier file is in the way
+        file = root / name
+        if any(p.is_file() for p in [file, *file.parents] if p != root) or file.is_dir():
+            continue
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(data)
+    before = _tree(root)
+    cache = compressed(model, scorers["snapkv"])
+    for target in [root, *(root / p for p, data in before.items() if data is None)]:
+        assert not is_saved_context(target)
+        with pytest.raises(FileExistsError):
+            cache.save_context(target, tok)
+    pipe = ProxyKVPipeline(model, tok, scorers["snapkv"], keep_ratio=0.3)
+    store = ContextStore(root, max_bytes=1)
+    assert store.entries() == []
+    store.get_or_compress(pipe, "The code word is ZEBRA-42. ")
+    store.get_or_compress(pipe, "Another text. ")  # evicts the first entry, and nothing else
+    after = _tree(root)
+    assert {k: after.get(k, "gone") for k in before} == before and len(store.entries()) == 1
+
+
+def _tuned_copy(model, *, layers: bool = True):
+    """A "fine-tune" of ``model``: every decoder weight moved, its embeddings untouched."""
+    import copy
+
+    tuned = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if ".layers." in name and layers:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return tuned
+
+
+def test_a_fine_tune_with_the_same_embeddings_is_refused(tmp_path):
+    from proxykv_hf import ContextStore
+    from proxykv_hf.fingerprints import weights_probe
+
+    base, tok = tiny_model("llama"), tiny_tokenizer()
+    tuned = _tuned_copy(base)
+    assert weights_probe(base) != weights_probe(tuned)
+    ids = random_prompt(1, 60, seed=2)["input_ids"]
+    compress_context(base, ProxyKVCache(SnapKVScorer(window=8), 0.3), ids).save_context(tmp_path / "ctx", tok)
+    with pytest.raises(ValueError, match="same config but other weights") as info:
+        ProxyKVCache.load_context(tmp_path / "ctx", tuned, tok)
+    assert str(tmp_path / "ctx" / HEADER_NAME) in str(info.value)
+    half = _tuned_copy(base).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="same config but other weights"):  # the sketch, across dtypes
+        ProxyKVCache.load_context(tmp_path / "ctx", half, tok, dtype="convert")
+    same = ProxyKVCache.load_context(tmp_path / "ctx", base.to(torch.bfloat16), tok, dtype="convert")  # within rounding
+    assert same.layers[0].keys.dtype == torch.bfloat16
+    base.float()
+    store = ContextStore(tmp_path / "store")
+    keys = {store.key(ProxyKVPipeline(m, tok, SnapKVScorer(window=8)), "x") for m in (base, tuned)}
+    assert len(keys) == 2
+    with torch.no_grad():  # an in-place update of a probed weight is seen (the memo is keyed on the tensor version)
+        before = weights_probe(base)
+        base.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+        assert weights_probe(base) != before
+
+
+def test_ask_refuses_a_context_of_another_model():
+    tok = tiny_tokenizer()
+    text = "The code word is ZEBRA-42 and the door opens at nine. " * 3
+    ctx = ProxyKVPipeline(tiny_model("llama", seed=0), tok, SnapKVScorer(window=8), keep_ratio=0.3).compress(text)
+    for model in (tiny_model("llama", seed=1), tiny_model("llama", num_hidden_layers=4),
+                  tiny_model("llama", dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="this compressed context .*compress it with this pipeline's model"):
+            ProxyKVPipeline(model, tok, SnapKVScorer(window=8), keep_ratio=0.3).ask(ctx, "code?", max_new_tokens=2)
+    same = tiny_model("llama", seed=0)
+    assert isinstance(ProxyKVPipeline(same, tok, SnapKVScorer(window=8)).ask(ctx, "code?", max_new_tokens=2), str)
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Change the header at ``path`` and write it back with its checksum made good again (a consistent edit)."""
+    from proxykv_hf.context_header import CHECKSUM, header_checksum
+
+    header = json.loads((path / HEADER_NAME).read_text())
+    edit(header)
+    header[CHECKSUM] = header_checksum(header)
+    (path / HEADER_NAME).write_text(json.dumps(header))
+
+
+def test_a_damaged_or_inconsistent_header_is_refused(tmp_path):
+    model = tiny_model("llama")
+    ids = random_prompt(1, 60, seed=2)["input_ids"]
+    compress_context(model, ProxyKVCache(SnapKVScorer(window=8), 0.3, budget="global"), ids).save_context(
+        tmp_path / "src")
+
+    def copy(name):
+        return Path(shutil.copytree(tmp_path / "src", tmp_path / name))
+
+    flipped = copy("flip")
+    text = (flipped / HEADER_NAME).read_text()
+    assert '"n_kv_heads": 2' in text
+    (flipped / HEADER_NAME).write_text(text.replace('"n_kv_heads": 2', '"n_kv_heads": 3', 1))
+    with pytest.raises(ValueError, match="does not match the checksum") as info:
+        ProxyKVCache.load_context(flipped, model)
+    assert str(flipped / HEADER_NAME) in str(info.value)
+    nested = copy("nested")
+    (nested / HEADER_NAME).write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ValueError, match="nested too deeply") as info:
+        ProxyKVCache.load_context(nested, model)
+    assert str(nested / HEADER_NAME) in str(info.value)
+    for name, edit, message in (
+            ("heads", lambda h: h["state"]["layers"][0].update(n_kv_heads=3), "lists 3 KV heads"),
+            ("zero", lambda h: h["state"]["layers"][0].update(n_kv_heads=0), "n_kv_heads"),
+            ("tensor", lambda h: h["state"]["layers"][0]["tensors"].append("__class__"), "known: keys"),
+            ("ratio", lambda h: h["cache"].update(keep_ratio=1.5), "keep_ratio"),
+            ("dtype", lambda h: h.update(dtype="int8"), "floating torch dtype")):
+        path = copy(name)
+        _edit_header(path, edit)
+        with pytest.raises(ValueError, match=message) as info:
+            ProxyKVCache.load_context(path, model)
+        assert str(path / HEADER_NAME) in str(info.value)
+
+
+def test_a_failed_save_into_an_empty_directory_leaves_it_empty(world, tmp_path, monkeypatch):
+    import proxykv_hf.context_files as context_files
+
+    model, tok, scorers = world
+    cache = compressed(model, scorers["snapkv"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    real = os.replace
+
+    def fail_on_header(src, dst):
+        if Path(dst).name == HEADER_NAME:
+            raise OSError("disk full")
+        real(src, dst)
+
+    monkeypatch.setattr(context_files.os, "replace", fail_on_header)
+    with pytest.raises(OSError, match="disk full"):
+        cache.save_context(empty, tok)
+    monkeypatch.undo()
+    assert os.listdir(empty) == []
+    cache.save_context(empty, tok)
+    assert sorted(os.listdir(empty)) == [HEADER_NAME, TENSORS_NAME]

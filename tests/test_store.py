@@ -13,6 +13,7 @@ import time
 import pytest
 
 from proxykv_hf import ContextStore, ProxyKVPipeline, SnapKVScorer
+from proxykv_hf.context_files import temp_name
 from proxykv_hf.contexts import TENSORS_NAME
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 
@@ -71,8 +72,9 @@ def test_a_crashed_writer_leaves_nothing_a_later_run_loads(model, tmp_path, monk
         store.get_or_compress(pipe, TEXT)
     monkeypatch.undo()
     assert store.entries() == []
-    stale = store.directory / ".abc.0123.tmp"  # what a writer killed outright (no cleanup) leaves
+    stale = store.directory / temp_name("abc")  # what a writer killed outright (no cleanup) leaves
     stale.mkdir()
+    (stale / TENSORS_NAME).write_bytes(b"half")
     old = time.time() - 2 * 3600
     os.utime(stale, (old, old))
     store.get_or_compress(pipe, TEXT)
@@ -134,3 +136,37 @@ def test_two_processes_fill_one_store_at_once(model, tmp_path):
     assert json.loads(out.strip().splitlines()[-1]) == mine
     assert [p.name for p in store.directory.iterdir()] == [store.key(pipe, TEXT)]  # one entry, no leftovers
     assert ContextStore(store.directory).get_or_compress(pipe, TEXT).text == TEXT
+
+
+def test_only_the_stores_own_entries_are_counted_or_evicted(model, tmp_path):
+    mine = tmp_path / "store" / "my_project"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("work I did not back up\n")
+    (tmp_path / "store" / ".cache.tmp").mkdir()  # a hidden directory of the user's, named like a temporary one
+    os.utime(mine, (1000, 1000))  # older than any entry
+    pipe, store = pipeline(model), ContextStore(tmp_path / "store", max_bytes=1)
+    assert store.entries() == [] and store.nbytes() == 0
+    store.get_or_compress(pipe, TEXT)
+    store.get_or_compress(pipe, TEXT + ".")  # evicts the first entry, and nothing else
+    assert [p.name for p in store.entries()] == [store.key(pipe, TEXT + ".")]
+    assert (mine / "notes.txt").read_text() == "work I did not back up\n"
+    assert (tmp_path / "store" / ".cache.tmp").is_dir()
+    squatter = store.directory / store.key(pipe, TEXT)
+    squatter.mkdir()
+    (squatter / "context.json").write_text("{}")  # not a header of this library: left alone, before any compression
+    pipe.compress = lambda text: pytest.fail("compressed before refusing")
+    with pytest.raises(FileExistsError, match=squatter.name):
+        store.get_or_compress(pipe, TEXT)
+    assert (squatter / "context.json").read_text() == "{}"
+
+
+def test_an_entry_missing_its_tensor_file_is_repaired_once(model, tmp_path):
+    pipe, store = pipeline(model), ContextStore(tmp_path / "store")
+    store.get_or_compress(pipe, TEXT)
+    (entry,) = store.entries()
+    (entry / TENSORS_NAME).unlink()
+    assert store.entries() == [entry]  # still the store's own entry, damaged
+    for _ in range(3):
+        assert store.get_or_compress(pipe, TEXT).text == TEXT
+    assert (store.hits, store.misses) == (2, 2) and sorted(p.name for p in entry.iterdir()) == ["context.json",
+                                                                                                 TENSORS_NAME]

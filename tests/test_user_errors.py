@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +214,78 @@ def test_bench_help_names_its_json_line(capsys):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "one JSON line on stdout" in text and "bench.json" in text
+
+
+# ------------------------------------------------------------------------------------------------ saved contexts
+COMPRESS = ["compress", "--tiny", "--method", "snapkv", "--prompt", "the code is 12. " * 30]
+
+
+def _no_work(monkeypatch):
+    """Make loading the model fail, so that an error must come before any work."""
+    import proxykv_hf.cli as cli
+
+    monkeypatch.setattr(cli, "load", lambda ns: pytest.fail("loaded the model before checking --out"))
+
+
+def test_compress_refuses_an_out_that_is_not_a_saved_context_before_any_work(tmp_path, capsys, monkeypatch):
+    user = tmp_path / "webapp"
+    (user / "src").mkdir(parents=True)
+    (user / "context.json").write_text('{"theme": "dark"}')
+    (user / "src" / "main.py").write_text("print('my code')\n")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root may write anywhere: pretend, as for any other user
+        import proxykv_hf.context_files as context_files
+
+        real = os.access
+        monkeypatch.setattr(context_files.os, "access", lambda p, mode: real(p, mode) and Path(p) != readonly)
+    _no_work(monkeypatch)
+    for out, words in ((user, [str(user), "not a saved proxykv_hf context"]),
+                       (readonly / "ctx", [str(readonly), "not writable"])):
+        code, err = _exit(COMPRESS + ["--out", str(out)], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("proxykv compress: error: ") and \
+            all(w in lines[0] for w in words), err
+    assert (user / "src" / "main.py").read_text() == "print('my code')\n" and sorted(os.listdir(user)) == [
+        "context.json", "src"] and os.listdir(readonly) == []
+
+
+def test_compress_out_and_generate_context_name_the_same_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    main(COMPRESS + ["--out=~/ctx"])
+    assert json.loads(capsys.readouterr().out)["out"] == str(tmp_path / "home" / "ctx")
+    assert not (tmp_path / "~").exists()
+    assert main(["generate", "--tiny", "--context=~/ctx", "--question", "code?", "--max-new-tokens", "2"]) == 0
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    main(COMPRESS + ["--out", "."])  # an empty working directory
+    assert sorted(os.listdir(".")) == ["context.json", "context.safetensors"]
+    code, err = _exit(["generate", "--tiny", "--context", ".", "--dtype", "bfloat16", "--question", "code?"], capsys)
+    assert code == 2 and "--convert-dtype" in err and "dtype='convert'" not in err, err
+    capsys.readouterr()
+    assert main(["generate", "--tiny", "--context", ".", "--dtype", "bfloat16", "--convert-dtype", "--question",
+                 "code?", "--max-new-tokens", "2"]) == 0
+
+
+def test_an_empty_or_continued_context_says_so(tmp_path, capsys):
+    from proxykv_hf import ProxyKVPipeline, SnapKVScorer
+    from proxykv_hf.compat import with_cache
+    from proxykv_hf.compressed import encode_context
+    from proxykv_hf.testing import tiny_tokenizer
+
+    code, err = _exit(["compress", "--tiny", "--method", "snapkv", "--prompt", "", "--out", str(tmp_path / "x")],
+                      capsys)
+    assert code == 2 and "the context is empty" in err, err
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    pipe = ProxyKVPipeline(model, tok, SnapKVScorer(window=8), keep_ratio=0.3)
+    with pytest.raises(ValueError, match="the context is empty"):
+        pipe.compress("")
+    text = "The code word is ZEBRA-42 and the door opens at nine. " * 3
+    ctx = pipe.compress(text)
+    c, q = encode_context(tok, text, "first question?")
+    ids = torch.tensor([c + q])
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(ctx.cache), max_new_tokens=4,
+                   do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=rf"holds \d+ tokens, \d+ after the context's {len(c)}: it was continued"):
+        pipe.ask(ctx, "second?", max_new_tokens=3)
