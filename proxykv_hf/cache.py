@@ -305,11 +305,12 @@ class ProxyKVCache(DynamicCache):
         return keys, values
 
     def finish_if_compressed(self) -> None:
-        """Called after each layer's compaction: once every compacted layer is done, drop what only the compression
-        needed (the model, the schedule), so that copies and pickles of the cache hold K/V, not the model."""
+        """After each layer's compaction: once every compacted layer is done, drop what only the compression needed
+        (the model, the schedule), so that copies and pickles of the cache hold K/V and the model's description."""
         if self.prompt is not None and self.prompt.model is not None and \
                 all(self.layers[i].compacted for i in self.compactable_layers()):
             self._schedule, self._budgets = None, None
+            self.model_description()  # described now, while the model is alive (the cache holds it weakly)
             self.prompt = replace(self.prompt, model=None)
 
     # ----------------------------------------------------------------------------------------------- selection

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .checkpoint_shapes import check_weight_shapes
 from .mapper import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec, check_self_layers
 from .selection import check_kernel_size, check_layer_mix
@@ -32,6 +33,7 @@ CONFIG_NAME = "proxykv_config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 FORMAT_VERSION = 1
+MAX_MAPPERS = 4096  # layer_mappers' indices: one mapper per target layer at most
 EXTRA_PREFIX = "extra_mappers."  # weight names of Checkpoint.extra_mappers[i]: "extra_mappers.<i>.<name>"
 
 
@@ -344,12 +346,18 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
         target = TargetSpec(**config["target"])
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{config_file} is malformed ({type(err).__name__}: {err})") from err
+    layer_mappers = config.get("layer_mappers")
+    if layer_mappers is not None and (not isinstance(layer_mappers, list) or not layer_mappers or any(
+            not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < MAX_MAPPERS for j in layer_mappers)):
+        raise ValueError(f"{config_file} is malformed: layer_mappers must be null or a non-empty list of mapper "
+                         f"indices in [0, {MAX_MAPPERS}), got {str(layer_mappers)[:80]!r}")
+    check_weight_shapes(mapper_config, [_weight_prefix(i) for i in range(1 + max(layer_mappers or [0]))],
+                        config_file, weights_file)
     try:
         state = load_file(str(weights_file), device=str(map_location))
     except SafetensorError as err:
         raise ValueError(f"{weights_file} is not a readable safetensors file ({err}); the checkpoint is "
                          "damaged") from err
-    layer_mappers = config.get("layer_mappers")
     mappers = []
     for i in range(1 + max(layer_mappers or [0])):
         prefix = _weight_prefix(i)

@@ -20,6 +20,9 @@ import math
 import torch
 from transformers.cache_utils import DynamicLayer
 
+INDEX_DTYPE = torch.int32
+"""The dtype of the global budget's packed ``owner`` and ``position`` indices (4 bytes each per stored entry)."""
+
 
 class ProxyKVLayer(DynamicLayer):
     """A full-attention cache layer that can be compacted once, keeping its logical length.
@@ -110,7 +113,8 @@ class ProxyKVLayer(DynamicLayer):
         b, h, t = b.to(device), h.to(device), t.to(device)
         self.keys = self.keys[b, h, t][None, None]  # (1, 1, N, D)
         self.values = self.values[b, h, t][None, None]
-        self.owner, self.position, self.n_kv_heads = b * H + h, t, H
+        # (N,) int32 each, owning their storage: 8 bytes per kept entry, as the uniform layout's int64 kept_positions
+        self.owner, self.position, self.n_kv_heads = (b * H + h).to(INDEX_DTYPE), t.to(INDEX_DTYPE), H
         self.ragged, self.compacted, self.compacted_at = True, True, self.cumulative_length
         self.kept_positions = self.slot_valid = None
         self.budgets = keep.sum(-1).cpu()  # (B, H_kv) entries kept per head
@@ -118,8 +122,8 @@ class ProxyKVLayer(DynamicLayer):
     def _append_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
         B, H, q, D = key_states.shape  # new tokens: every row and head gets them
         device = self.keys.device
-        owner = (torch.arange(B * H, device=device)[:, None]).expand(B * H, q).reshape(-1)
-        position = (self.cumulative_length + torch.arange(q, device=device)).repeat(B * H)
+        owner = (torch.arange(B * H, device=device, dtype=INDEX_DTYPE)[:, None]).expand(B * H, q).reshape(-1)
+        position = (self.cumulative_length + torch.arange(q, device=device, dtype=INDEX_DTYPE)).repeat(B * H)
         self.keys = torch.cat([self.keys, key_states.reshape(1, 1, B * H * q, D)], dim=-2)
         self.values = torch.cat([self.values, value_states.reshape(1, 1, B * H * q, D)], dim=-2)
         self.owner, self.position = torch.cat([self.owner, owner]), torch.cat([self.position, position])
@@ -145,7 +149,7 @@ class ProxyKVLayer(DynamicLayer):
         if not weights:
             return out, None
         L = self.cumulative_length
-        logical = probs.new_zeros(B, H, G * Q, L).scatter_add_(-1, self.position.expand(B, H, G * Q, -1), probs)
+        logical = probs.new_zeros(B, H, G * Q, L).scatter_add_(-1, self.position.long().expand(B, H, G * Q, -1), probs)
         return out, logical.view(B, Hq, Q, L)
 
     def kept_sets(self) -> list[list[torch.Tensor]]:
@@ -235,7 +239,7 @@ class ProxyKVLayer(DynamicLayer):
         H, old = self.n_kv_heads, self.owner // self.n_kv_heads
         picks = [torch.nonzero(old == int(src)).flatten() for src in rows.tolist()]
         index = torch.cat(picks)
-        new_row = torch.cat([torch.full_like(p, r) for r, p in enumerate(picks)])
+        new_row = torch.cat([torch.full_like(p, r) for r, p in enumerate(picks)]).to(self.owner.dtype)
         self.keys, self.values = self.keys[:, :, index], self.values[:, :, index]
         self.owner, self.position = new_row * H + self.owner[index] % H, self.position[index]
         self.budgets = self.budgets[rows.cpu()]

@@ -91,6 +91,7 @@ def check_statistics(statistics) -> tuple[str, ...]:
     return statistics
 
 
+@torch.no_grad()  # statistics for selection: never differentiated, whatever the caller's grad mode
 def attention_sums(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -152,6 +153,7 @@ def attention_sums(
     return torch.cat([_reduce(found[s], group_reduce) for s in statistics], dim=1)
 
 
+@torch.no_grad()  # statistics for selection: never differentiated, whatever the caller's grad mode
 def causal_attention_with_statistics(
     query: torch.Tensor,
     key: torch.Tensor,

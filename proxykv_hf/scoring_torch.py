@@ -36,6 +36,10 @@ def _torch_statistics(query, key, attention_mask, scaling, query_valid, chunk_si
     one call to the next, so the workers sum in float64, and the sums they return, added up and rounded to float32,
     come out the same in any split (up to float64 rounding, far below float32's).
     """
+    # no autograd whatever the caller's grad mode: the buffers are written in place, and the CPU workers are threads
+    # of their own (grad mode is per thread), so they must not see tensors that require grad
+    query, key = query.detach(), key.detach()
+    value = None if value is None else value.detach()
     Q = query.shape[2]
     if query_valid is not None and query.device.type == "cpu" and bool(query_valid.all()):
         query_valid = None  # nothing to weight (off the GPU the check costs no device sync)

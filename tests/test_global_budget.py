@@ -192,3 +192,22 @@ def test_crop_and_batch_ops_on_the_packed_layout():
         assert len(rows) == 2
         for row in rows:
             assert all(torch.equal(a, b) for a, b in zip(row, sets[i][1]))
+
+
+def test_the_packed_layout_holds_only_the_index_it_needs(tmp_path):
+    from proxykv_hf.pipeline import compress_context
+    from proxykv_hf.selection import BUDGETS
+    from proxykv_hf.testing import random_prompt, tiny_model
+
+    model = tiny_model("llama")
+    ids = random_prompt(1, 200, seed=2)["input_ids"]
+    caches = {b: compress_context(model, ProxyKVCache(SnapKVScorer(window=8), 0.3, budget=b), ids) for b in BUDGETS}
+    layer = caches["global"].layers[0]
+    for index in (layer.owner, layer.position):  # 4 bytes per kept entry each, owning exactly their storage
+        assert index.dtype == torch.int32 and index.untyped_storage().nbytes() == 4 * index.numel()
+    kept = sum(l.keys.shape[-2] for l in caches["global"].layers)
+    uniform = sum(l.kept_positions.numel() for l in caches["uniform"].layers)
+    assert kept == uniform  # the same number of entries kept in all
+    assert caches["global"].nbytes() <= caches["uniform"].nbytes() + 8 * 3 * 2 * 4  # + the (B, H_kv) budgets
+    caches["global"].save_context(tmp_path / "ctx")
+    assert ProxyKVCache.load_context(tmp_path / "ctx", model).nbytes() == caches["global"].nbytes()

@@ -67,3 +67,24 @@ def test_layer_subset_proxy_scores_on_a_model_not_yet_opted_in():
     want = kvzip_scores(layer_subset(tiny_model("llama", num_hidden_layers=6), [1, 4]), inputs["input_ids"],
                         tokenizer=tok, chunk_size=32)
     assert scores.shape == (2, 1, 2, 40) and torch.allclose(scores, want)
+
+
+def test_settings_name_the_proxy_and_stay_the_same_after_compressing(tmp_path):
+    from proxykv_hf import ContextStore, ProxyKVPipeline
+    from proxykv_hf.pipeline import compress_context
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    proxies = [tiny_model("llama", seed=s, num_hidden_layers=2) for s in (1, 2)]
+    pipes = [ProxyKVPipeline(model, tok, KVzipIAMScorer(tok, proxy=p, chunk_size=16), keep_ratio=0.3) for p in proxies]
+    store, text = ContextStore(tmp_path / "store"), "The code word is ZEBRA-42 and the door opens at nine. " * 3
+    assert store.key(pipes[0], text) != store.key(pipes[1], text)
+    scorer = KVzipIAMScorer(tok, chunk_size=16)
+    before = scorer.settings()
+    ids = random_prompt(1, 60, seed=2)["input_ids"]
+    cache = compress_context(model, ProxyKVCache(scorer, 0.3), ids)
+    assert cache.scorer.layer_map is not None and cache.scorer.settings() == before  # the default is not a setting
+    cache.save_context(tmp_path / "ctx", tok)
+    loaded = ProxyKVCache.load_context(tmp_path / "ctx", model, tok, scorer=scorer)
+    assert loaded.kept_sets().keys() == cache.kept_sets().keys()
+    scorer.layer_map, scorer.head_map = [0, 0, 0], [[0, 0]] * 3  # set by hand: a setting, and kept by prepare()
+    assert scorer.settings()["layer_map"] == [0, 0, 0]

@@ -117,3 +117,28 @@ def test_settings_are_json_and_tell_scorers_apart(model):
     settings = [json.dumps(s.settings(), sort_keys=True) for s in scorers]
     assert len(set(settings)) == len(scorers)
     assert "tokenizer" not in scorers[2].settings() and scorers[1].settings()["window"] == 8
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["mapper"].update(d_time=1 << 16), "do not fit the mapper config"),
+    (lambda c: c.update(layer_mappers="ab"), "layer_mappers must be null or a non-empty list")])
+def test_a_config_that_does_not_fit_its_weights_is_refused_before_building(tmp_path, monkeypatch, change, message):
+    import proxykv_hf.hub as hub
+    from proxykv_hf.hub import Checkpoint, TargetSpec, save_checkpoint
+    from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+    from proxykv_hf.proxy import ProxySpec
+
+    mapper = HybridAxialMapper(MapperConfig.tiny(num_proxy_layers=3, num_proxy_heads=4, num_target_layers=3,
+                                                 num_target_heads=2, num_statistics=1)).eval()
+    save_checkpoint(Checkpoint(mapper=mapper, proxy=ProxySpec(kind="self", num_layers=3, num_heads=4,
+                                                              statistics=["sum"]),
+                               target=TargetSpec(model_id="tiny", model_type="llama", num_layers=3, num_kv_heads=2,
+                                                 num_heads=4)), tmp_path)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    change(config)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    built = []
+    monkeypatch.setattr(hub, "HybridAxialMapper", lambda *a, **k: built.append(a) or HybridAxialMapper(*a, **k))
+    with pytest.raises(ValueError, match=message) as info:
+        ProxyScorer.from_pretrained(tmp_path)
+    assert str(tmp_path / CONFIG_NAME) in str(info.value) and built == []  # refused before any mapper was built

@@ -119,3 +119,28 @@ def test_registry_refuses_bad_names_and_builders():
         registry.unregister("not_a_scorer")
     with pytest.raises(ValueError, match="must subclass LayerScorer or ModelScorer"):
         ProxyKVCache(object(), keep_ratio=0.5)
+
+
+def test_a_separate_proxy_is_hashed_once_and_again_after_it_changes(monkeypatch):
+    import proxykv_hf.fingerprints as fp
+    from proxykv_hf import ProxyScorer
+    from proxykv_hf.hub import Checkpoint, TargetSpec
+    from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+    from proxykv_hf.proxy import ProxySpec
+
+    proxy = tiny_model("llama", seed=3, num_hidden_layers=4)
+    mapper = HybridAxialMapper(MapperConfig.tiny(num_proxy_layers=4, num_proxy_heads=4, num_target_layers=3,
+                                                 num_target_heads=2, num_statistics=1)).eval()
+    ckpt = Checkpoint(mapper=mapper, proxy=ProxySpec(kind="model", model_id="p", num_layers=4, num_heads=4,
+                                                     statistics=["sum"]),
+                      target=TargetSpec(model_id="t", model_type="llama", num_layers=3, num_kv_heads=2, num_heads=4))
+    scorer = ProxyScorer(ckpt, proxy_model=proxy, mapper_autocast=False)
+    first = scorer.settings()
+    assert first["proxy_model"]["weights"]
+    hashed = []
+    original = fp._tensor_bytes
+    monkeypatch.setattr(fp, "_tensor_bytes", lambda t: hashed.append(t.numel()) or original(t))
+    assert scorer.settings() == first and hashed == []  # memoised: nothing read again
+    with torch.no_grad():
+        next(proxy.parameters())[0, 0] += 1.0
+    assert scorer.settings()["proxy_model"] != first["proxy_model"] and hashed

@@ -500,3 +500,22 @@ def test_cpu_pass_stays_on_one_thread_where_threads_do_not_pay(two_torch_threads
         assert _cpu_workers(grad, big, big, num_chunks=16) == 2
     torch.set_num_threads(1)
     assert _cpu_workers(big, big, big, num_chunks=16) == 1
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "proxy", "statistic"])
+def test_a_prefill_with_grad_mode_on_scores_without_grad(scorer):
+    from proxykv_hf import ProxyKVCache, SnapKVScorer
+    from proxykv_hf.compat import with_cache
+    from proxykv_hf.scorers.statistic import AttentionStatisticScorer
+    from proxykv_hf.testing import random_prompt, tiny_model
+
+    from test_contexts import self_proxy_scorer
+
+    model = tiny_model("llama")
+    made = {"snapkv": lambda: SnapKVScorer(window=8), "proxy": lambda: self_proxy_scorer(model),
+            "statistic": lambda: AttentionStatisticScorer("sum")}[scorer]()
+    cache = ProxyKVCache(made, 0.3)
+    inputs = random_prompt(1, 72, seed=5)
+    assert torch.is_grad_enabled()
+    model(**inputs, **with_cache(cache), use_cache=True)  # no torch.no_grad()
+    assert not cache.compressing() and cache.physical_lengths() == [22, 22, 22]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..fingerprints import weights_digest
 from ..scoring import CHUNK_SIZE, attention_sums
 
 
@@ -109,15 +110,21 @@ class Scorer:
 
     def settings(self) -> dict:
         """What this scorer does, as a JSON-able dict: ``"class"`` (module and name) and its options (the public
-        attributes whose values are numbers, strings, booleans, None, dtypes or lists of those; models, tokenizers
-        and devices are left out). A saved context records it, and a context store keys by it
+        attributes whose values are numbers, strings, booleans, None, dtypes or lists of those; a module attribute,
+        such as a proxy model, by its name and a digest of its weights; tokenizers and devices are left out). A
+        saved context records it, and a context store keys by it
         (:mod:`proxykv_hf.contexts`), so a scorer whose options the attributes do not show (learned weights)
         adds what tells two of them apart."""
         out = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
         for name, value in sorted(vars(self).items()):
             plain = _plain(value)
-            if not name.startswith("_") and plain is not _SKIP:
+            if name.startswith("_"):
+                continue
+            if plain is not _SKIP:
                 out[name] = plain
+            elif isinstance(value, torch.nn.Module):  # a proxy model: its name and a digest of its weights (memoised)
+                out[name] = {"name": str(getattr(getattr(value, "config", None), "name_or_path", "") or ""),
+                             "weights": weights_digest([value])}
         return out
 
     def prepare(self, prompt: Prompt) -> None:

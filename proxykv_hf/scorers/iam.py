@@ -50,12 +50,26 @@ class KVzipIAMScorer(LayerScorer):
         self.layer_map: list[int] | None = None  # compacted-layer index -> proxy layer index
         self.head_map: list[list[int]] | None = None  # [target layer][target KV head] -> proxy KV head
         self._scores: torch.Tensor | None = None
+        self._filled = None  # (layer_map, head_map) as prepare() filled them in: the default, not a setting
 
     def fresh(self) -> "KVzipIAMScorer":
         clone = KVzipIAMScorer(self.tokenizer, proxy=self.proxy, layers=self.layers, chunk_size=self.chunk_size,
                                n_sink=self.n_sink)
-        clone.layer_map, clone.head_map = self.layer_map, self.head_map
+        clone.layer_map, clone.head_map, clone._filled = self.layer_map, self.head_map, self._filled
         return clone
+
+    def settings(self) -> dict:
+        """The base settings (the proxy model named by a digest of its weights) with ``layer_map`` and ``head_map``
+        as calibration set them, None when the default alignment applies (filled in by each compression, it is not
+        a setting), so that the settings are the same before and after a compression."""
+        out = super().settings()
+        if not self._aligned():
+            out["layer_map"] = out["head_map"] = None
+        return out
+
+    def _aligned(self) -> bool:
+        """Whether ``layer_map`` / ``head_map`` were set (by :meth:`calibrate` or by hand), not filled in by default."""
+        return self.layer_map is not None and (self.layer_map, self.head_map) != self._filled
 
     def _runner(self, target):
         if self.proxy is not None:
@@ -81,6 +95,7 @@ class KVzipIAMScorer(LayerScorer):
     def _default_maps(self, n_target: int, h_target: int, n_proxy: int, h_proxy: int) -> None:
         self.layer_map = [math.ceil((l + 1) * n_proxy / n_target) - 1 for l in range(n_target)]
         self.head_map = [[h * h_proxy // h_target for h in range(h_target)] for _ in range(n_target)]
+        self._filled = (self.layer_map, self.head_map)
 
     @torch.no_grad()
     def calibrate(self, target, input_ids: torch.Tensor,
@@ -101,7 +116,7 @@ class KVzipIAMScorer(LayerScorer):
         target = prompt.model
         ids, mask = prompt.input_ids, prompt.valid.long()
         self._scores = self.proxy_scores(target, ids, mask)  # (L_s, B, H_s, T)
-        if self.layer_map is None:
+        if not self._aligned():  # the default alignment, for this target and proxy
             n_target = len(full_attention_layers(target))
             text = target.config.get_text_config(decoder=True)
             self._default_maps(n_target, text.num_key_value_heads, self._scores.shape[0], self._scores.shape[2])

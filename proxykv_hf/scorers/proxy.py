@@ -195,10 +195,7 @@ class ProxyScorer(BackgroundScorer):
         out["checkpoint"] = {"proxy": ckpt.proxy.to_dict(), "target": ckpt.target.to_dict(),
                              "mapper": ckpt.mapper.config.to_dict(), "layer_mappers": ckpt.layer_mappers,
                              "weights": weights_digest(ckpt.mappers)}
-        if self.proxy_model is not None:
-            out["proxy_model"] = {"name": str(getattr(self.proxy_model.config, "name_or_path", "")),
-                                  "weights": weights_digest([self.proxy_model])}
-        return out
+        return out  # a separate proxy model is in the base settings: its name and a digest of its weights
 
     def published_checkpoint(self):
         """The checkpoint as this scorer selects with it: the loaded one with this scorer's ``pool_kernel`` and
