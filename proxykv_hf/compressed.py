@@ -26,8 +26,8 @@ template renders the context to the same ids (:meth:`CompressedContext.question_
 
 def encode_context(tokenizer: Any, text: str, question: str = PLACEHOLDER_QUESTION) -> tuple[list[int], list[int]]:
     """``(context ids, question ids)`` of the chat-formatted prompt of ``text`` and ``question``
-    (:func:`~proxykv_hf.eval.prompts.encode_chat_prompt`: the context part is what is compressed)."""
-    from .eval.prompts import encode_chat_prompt
+    (:func:`~proxykv_hf.chat_prompt.encode_chat_prompt`: the context part is what is compressed)."""
+    from .chat_prompt import encode_chat_prompt
 
     return encode_chat_prompt(tokenizer, text, question)
 

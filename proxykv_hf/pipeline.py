@@ -156,7 +156,7 @@ class ProxyKVPipeline:
             one answer per question (a string for a single question); with ``num_return_sequences`` > 1, a list of
             that many answers in place of each.
         """
-        from .eval.prompts import encode_chat_prompt
+        from .chat_prompt import encode_chat_prompt
 
         single = isinstance(questions, str)
         questions = [questions] if single else list(questions)

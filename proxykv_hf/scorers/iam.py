@@ -20,7 +20,8 @@ import torch
 
 from ..proxy import every_kth_layer, layer_subset
 from .base import LayerInputs, LayerScorer, Prompt
-from .kvzip import N_SINK, KVzipScorer, full_attention_layers, kvzip_scores
+from ..model_layout import full_attention_layers
+from .kvzip import N_SINK, KVzipScorer, kvzip_scores
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

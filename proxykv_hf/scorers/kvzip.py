@@ -49,6 +49,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import attention, kernels
 from ..compat import with_cache
+from ..model_layout import full_attention_layers
 from .base import ModelScorer, Prompt
 
 logger = logging.getLogger(__name__)
@@ -403,12 +404,6 @@ class _ChunkRecorder:
 
 
 # --------------------------------------------------------------------------------------------------- functional
-def full_attention_layers(model) -> list[int]:
-    """Indices of the layers KVzip scores (and ProxyKV compacts): every layer that is not sliding-window."""
-    layers = DynamicCache(config=model.config).layers
-    return [i for i, layer in enumerate(layers) if not getattr(layer, "is_sliding", False)]
-
-
 def kvzip_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, tokenizer=None,
                  **kwargs) -> torch.Tensor:
     """Raw KVzip scores of every layer for a (left padded) batch: runs the prefill and the reconstruction.

@@ -18,7 +18,7 @@ from ..proxy import check_self_layers, decoder_of, proxy_features
 from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
 from ..selection import LayerMixer, check_kernel_size, check_layer_mix, masked_moments, smooth_scores
 from .base import BackgroundScorer, LayerInputs, Prompt
-from .kvzip import full_attention_layers
+from ..model_layout import full_attention_layers
 
 logger = logging.getLogger(__name__)
 

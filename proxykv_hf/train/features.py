@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..hub import TargetSpec
 from ..proxy import ProxySpec, every_kth_layer, proxy_features
-from ..scorers.kvzip import full_attention_layers
+from ..model_layout import full_attention_layers
 from .manifest import DataConfig
 
 Oracle = Callable[..., Tensor]  # (model, input_ids, attention_mask=None, tokenizer=None, **kw) -> (L_l, B, H_kv, T)
