@@ -95,12 +95,10 @@ def _probe(model) -> tuple[str, list[float]] | None:
     if not weights:
         return None
     key = tuple((n, p.data_ptr(), p._version, p.dtype, p.device, tuple(p.shape)) for n, p in weights)
-    try:
-        memo = _PROBE_MEMO.get(model)
-    except TypeError:
-        memo = None
-    if memo is not None and memo[0] == key:
-        return memo[1]
+    return _remembered(_PROBE_MEMO, model, key, lambda: _compute_probe(weights))
+
+
+def _compute_probe(weights) -> tuple[str, list[float]]:
     h, sketch = hashlib.sha256(), []
     with torch.no_grad():
         for name, p in weights:
@@ -110,9 +108,21 @@ def _probe(model) -> tuple[str, list[float]] | None:
             flat = rows.reshape(-1)
             picks = flat[:: max(1, flat.numel() // SKETCH_VALUES)][:SKETCH_VALUES]
             sketch.extend(float(v) for v in picks.float().cpu())
-    found = (h.hexdigest()[:16], sketch)
+    return h.hexdigest()[:16], sketch
+
+
+def _remembered(memo, obj, key, compute):
+    """``compute()``, remembered in the weak-keyed ``memo`` for ``obj`` while ``key`` (its tensors' identity and
+    version) stays the same; objects that cannot be weakly referenced are computed every time."""
     try:
-        _PROBE_MEMO[model] = (key, found)
+        hit = memo.get(obj)
+    except TypeError:
+        hit = None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    found = compute()
+    try:
+        memo[obj] = (key, found)
     except TypeError:
         pass
     return found
@@ -182,23 +192,16 @@ def _module_digest(module) -> str:
     storage at the same version (hashing a large proxy model takes seconds; checking the memo, microseconds)."""
     key = tuple((t.data_ptr(), t._version, t.dtype, t.device, t.shape)
                 for t in itertools.chain(module.parameters(), module.buffers()))
-    try:
-        memo = _DIGEST_MEMO.get(module)
-    except TypeError:
-        memo = None
-    if memo is not None and memo[0] == key:
-        return memo[1]
+    return _remembered(_DIGEST_MEMO, module, key, lambda: _state_digest(module))
+
+
+def _state_digest(module) -> str:
     h = hashlib.sha256()
     with torch.no_grad():
         for name, tensor in sorted(module.state_dict().items()):
             h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
             h.update(_tensor_bytes(tensor))
-    found = h.hexdigest()
-    try:
-        _DIGEST_MEMO[module] = (key, found)
-    except TypeError:
-        pass
-    return found
+    return h.hexdigest()
 
 
 def describe_model(model) -> dict:

@@ -13,7 +13,6 @@ weights, the tokenizer with its chat template, the generation config) under the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ._filelock import file_lock as _file_lock
+from .model_parts import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -150,23 +150,16 @@ def packaged_model_dir(name: str, *, cache_dir: str | os.PathLike | None = None)
 
 
 def _packaged_problem(out: Path, packaged) -> str | None:
-    marker = out / _MARKER
-    if not marker.is_file():
-        return f"has no {_MARKER} (an interrupted or foreign copy)"
-    try:
-        meta = json.loads(marker.read_text())
+    def stale(meta: dict) -> str | None:
         if meta.get("format") != _MARKER_FORMAT or meta.get("source_sha256") != packaged.sha256:
             return "is stale (converted from other bytes)"
-        for file, size in meta["files"].items():
-            if (out / file).stat().st_size != size:
-                return f"is corrupt ({file} has the wrong size)"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        return f"is corrupt ({type(err).__name__}: {err})"
-    return None
+        return None
+
+    return _marker_problem(out, stale)
 
 
 def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AMX-BF16 or AVX512-BF16 in ``/proc/cpuinfo``)."""
+    """True where ``/proc/cpuinfo`` lists ``amx_bf16`` or ``avx512_bf16`` (bfloat16 matrix instructions)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -316,15 +309,7 @@ def _resolve(name_or_path: str | os.PathLike, revision: str | None) -> tuple[str
 def _source_stamp(gguf_file: Path) -> dict[str, Any]:
     stat = gguf_file.stat()
     return {"source": str(gguf_file), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
-            "source_sha256": _sha256(gguf_file)}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+            "source_sha256": sha256_file(gguf_file)}
 
 
 def _is_valid(out: Path, gguf_file: Path, *, quiet: bool = False) -> bool:
@@ -336,18 +321,27 @@ def _is_valid(out: Path, gguf_file: Path, *, quiet: bool = False) -> bool:
 
 
 def _cache_problem(out: Path, gguf_file: Path) -> str | None:
+    def stale(meta: dict) -> str | None:
+        stat = gguf_file.stat()
+        old = meta.get("format") != _MARKER_FORMAT or meta.get("source_size") != stat.st_size
+        if not old and meta.get("source_mtime_ns") != stat.st_mtime_ns:
+            # another install of the same package (a second virtualenv): same bytes, other mtime
+            old = meta.get("source_sha256") != sha256_file(gguf_file)
+        return f"is stale (converted from another version of {gguf_file})" if old else None
+
+    return _marker_problem(out, stale)
+
+
+def _marker_problem(out: Path, stale) -> str | None:
+    """Why ``out`` is not a complete conversion: no marker, ``stale(marker)``'s reason, or a file of the wrong size."""
     marker = out / _MARKER
     if not marker.is_file():
         return f"has no {_MARKER} (an interrupted or foreign copy)"
     try:
         meta = json.loads(marker.read_text())
-        stat = gguf_file.stat()
-        stale = meta.get("format") != _MARKER_FORMAT or meta.get("source_size") != stat.st_size
-        if not stale and meta.get("source_mtime_ns") != stat.st_mtime_ns:
-            # another install of the same package (a second virtualenv): same bytes, other mtime
-            stale = meta.get("source_sha256") != _sha256(gguf_file)
-        if stale:
-            return f"is stale (converted from another version of {gguf_file})"
+        why = stale(meta)
+        if why is not None:
+            return why
         for name, size in meta["files"].items():
             if (out / name).stat().st_size != size:
                 return f"is corrupt ({name} has the wrong size)"
