@@ -34,11 +34,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..cache import ProxyKVCache
+from ..cache import DEFAULT_KEEP_RATIO, ProxyKVCache
 from ..compat import with_cache
-from ..flops import GATED_MLP_FAMILIES, prefill_flops
+from ..flops import GATED_MLP_FAMILIES
 from ..scorers import registry
 from ..selection import BUDGETS, select_topk
+from .flops import method_prefill_flops
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class BenchConfig:
 
     methods: list[str] = field(default_factory=lambda: ["full", "snapkv", "kvzip", "proxykv"])
     context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    keep_ratio: float = 0.3
+    keep_ratio: float = DEFAULT_KEEP_RATIO
     repeats: int = 3
     warmup: int = 1
     decode_tokens: int = 128
@@ -247,12 +248,8 @@ class Bench:
         prefill and what the method adds, with ``"total"``; None where the method or the model is not counted."""
         if self.model.config.model_type not in GATED_MLP_FAMILIES:
             return None
-        scorer = self.scorers.get(method.partition("@")[0])
         try:
-            if scorer is None:
-                target = prefill_flops(self.model.config, n)["target"]
-                return {"target": target, "total": target}
-            return scorer.prefill_flops(self.model, n)
+            return method_prefill_flops(self.scorers.get(method.partition("@")[0]), self.model, n)
         except ValueError:  # e.g. sliding-window layers under KVzip, or a proxy of another family
             return None
 

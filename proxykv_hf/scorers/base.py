@@ -135,11 +135,6 @@ class Scorer:
         (:func:`~proxykv_hf.selection.select_global`); ``valid`` `(B, T)` marks real tokens. Default: as they are."""
         return scores
 
-    def prefill_flops(self, model, n_tokens: int) -> dict[str, float] | None:
-        """Matmul FLOPs of one ``n_tokens`` prefill of ``model`` with this scorer's cache, by part (``"target"``,
-        what the method adds, ``"total"``) for ``proxykv bench``; None where the method does not count them."""
-        return None
-
 
 class LayerScorer(Scorer):
     """Scores one layer at a time, right after its prefill attention.

@@ -21,7 +21,7 @@ import torch
 from ..proxy import every_kth_layer, layer_subset
 from .base import LayerInputs, LayerScorer, Prompt
 from ..model_layout import full_attention_layers
-from .kvzip import N_SINK, KVzipScorer, kvzip_scores
+from .kvzip import N_SINK, kvzip_scores
 
 
 def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -77,14 +77,6 @@ class KVzipIAMScorer(LayerScorer):
             return self.proxy
         layers = self.layers or every_kth_layer(target.config.num_hidden_layers, 3)
         return layer_subset(target, layers)
-
-    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
-        from ..flops import kvzip_prefill_flops, kvzip_template_tokens
-
-        first, later = kvzip_template_tokens(KVzipScorer(self.tokenizer, chunk_size=self.chunk_size))
-        return kvzip_prefill_flops(model.config, n_tokens, first_extra=first, later_extra=later,
-                                   scored_config=self._runner(model).config, chunk_size=self.chunk_size,
-                                   n_sink=self.n_sink)
 
     def proxy_scores(self, target, input_ids, attention_mask=None) -> torch.Tensor:
         """KVzip scores `(L_s, B, H_s, T)` on the proxy's full-attention layers."""

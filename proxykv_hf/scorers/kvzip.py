@@ -183,13 +183,6 @@ class KVzipScorer(ModelScorer):
         return self.score_layers(prompt.model, prompt.input_ids, prompt.valid, cache.layers,
                                  cache.compactable_layers())
 
-    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
-        from ..flops import kvzip_prefill_flops, kvzip_template_tokens
-
-        first, later = kvzip_template_tokens(self, self._tokenizer_for(model))
-        return kvzip_prefill_flops(model.config, n_tokens, first_extra=first, later_extra=later,
-                                   chunk_size=self.chunk_size, n_sink=self.n_sink)
-
     def score_layers(self, model, input_ids: torch.Tensor, valid: torch.Tensor, context_layers: list,
                      layers: list[int]) -> dict[int, torch.Tensor]:
         """KVzip scores of ``layers``, given cache layers that hold the whole prefill of ``input_ids``.

@@ -60,10 +60,3 @@ class SnapKVScorer(LayerScorer):
             s = s.float().masked_fill(~valid[:, None, :], 0.0)
             out[i] = s / s.sum((1, 2), keepdim=True).clamp_min(1e-12)
         return out
-
-    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
-        from ..flops import prefill_flops, snapkv_flops
-
-        target = prefill_flops(model.config, n_tokens)["target"]
-        extra = snapkv_flops(model.config, n_tokens, self.window)
-        return {"target": target, "statistics": extra, "total": target + extra}
