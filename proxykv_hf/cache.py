@@ -8,7 +8,8 @@ continuation prefills) are kept in full. When a layer is scored depends on the s
 (:mod:`proxykv_hf.attention`).
 
 A cache holds one conversation (:mod:`proxykv_hf.conversation`): at the start of every forward it records the tokens
-fed (:mod:`proxykv_hf.prompt`), and every ``generate`` call on a used cache must continue them. The prompt it
+fed (:mod:`proxykv_hf.prompt`), and every ``generate`` call on a used cache must continue them (which call a forward
+belongs to: :mod:`proxykv_hf.calls`). The prompt it
 compresses is what ``generate`` was given (or what :meth:`ProxyKVCache.prepare` names), not the first forward:
 chunked prefill compresses once the whole prompt is in, and candidate-verifying decoders (assisted, prompt lookup)
 get their first forward split into the prompt and the candidates (:mod:`proxykv_hf.candidates`). Design:
@@ -26,11 +27,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from . import attention, candidates
-from .conversation import START_OVER, Conversation, check_fed, check_prompt_forward
+from . import attention
+from .calls import CallTracker, check_prepared_call
+from .conversation import Conversation, check_prompt_forward
 from .fingerprints import describe_model
-from .layer import ProxyKVLayer, held_tensors
-from .prompt import SUPPORTED_FAMILIES, check_prompt, make_prompt, running_forward
+from .layer import ProxyKVLayer, held_bytes
+from .prompt import SUPPORTED_FAMILIES, check_prompt, make_prompt
 from .schedule import RaggedAttention, Schedule, SpareSlots
 from .scorers.base import LayerScorer, ModelScorer, Prompt, Scorer
 from .scoring import FusedStatistics
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KEEP_RATIO = 0.3
 """The keep ratio of a cache built without one (the paper's main setting)."""
 
-_TRANSIENT = ("_call_ids", "_split", "_new_call", "_first_of_call")  # per-call: never copied, pickled or snapshotted
+_TRANSIENT = ("calls",)  # per call: never copied, pickled or snapshotted
 
 
 class ProxyKVCache(DynamicCache):
@@ -99,13 +101,14 @@ class ProxyKVCache(DynamicCache):
         self._clear_state()
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, keep_ratio: float = DEFAULT_KEEP_RATIO, *,
+    def from_pretrained(cls, name_or_path, keep_ratio: float = DEFAULT_KEEP_RATIO, *,
                         fuse_statistics: bool = True, **kwargs) -> "ProxyKVCache":
-        """A ProxyKV cache driven by a trained mapper checkpoint (a local directory or a Hub repository id).
+        """A ProxyKV cache driven by a trained mapper checkpoint (a local directory, a Hub repository id, or a
+        :class:`~proxykv_hf.hub.Checkpoint` in memory).
 
         ``n_sink``, ``n_recent``, ``config`` and ``budget`` go to the constructor; ``name_or_path`` and the other
         ``kwargs`` (``proxy``, ``proxy_device``, ``revision``, ``cache_dir``, ``token``, ``local_files_only``,
-        ``pool_kernel``, ...) to :meth:`ProxyScorer.from_pretrained <proxykv_hf.scorers.proxy.ProxyScorer.
+        ``mapper_autocast``, ...) to :meth:`ProxyScorer.from_pretrained <proxykv_hf.scorers.proxy.ProxyScorer.
         from_pretrained>`; ``fuse_statistics`` to both. Use the cache for one conversation, :meth:`fresh` next.
         """
         from .scorers.proxy import ProxyScorer
@@ -138,10 +141,7 @@ class ProxyKVCache(DynamicCache):
         self._budgets: torch.Tensor | None = None  # (B,) entries each row keeps per KV head, on the CPU
         self._schedule: Schedule | None = None  # while the first prefill is being compressed
         self._scored: dict[int, torch.Tensor] = {}  # global budget: each layer's scores until all are in
-        self._call_ids = None  # the prompt of the generate call last checked (identity: same call)
-        self._new_call = False  # generate announced a new call (see _is_user_defined)
-        self._first_of_call = False  # the next forward is the first of a generate call
-        self._split = None  # candidates.FirstVerification while one is armed
+        self.calls = CallTracker()  # the generate call the forwards belong to
         self._model_ref = self._model_description = None  # the model that filled the cache (weakly), described
         self.conversation.clear()
 
@@ -156,17 +156,9 @@ class ProxyKVCache(DynamicCache):
 
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
-        # transformers' generate sets this on a cache it is given, once per call, before any forward and once its
-        # prompt is ready: the call's prompt is checked here (a prompt that cannot run would fail before the cache
-        # ever sees a forward), else at the call's first forward
+        # transformers' generate sets this on a cache it is given, once per call, before any forward
         self._user_defined = value
-        _, call = running_forward(2)
-        if call is None:
-            self._new_call = True
-            return
-        self._new_call, self._call_ids = False, call.input_ids
-        self._check_call(call, self._held())
-        self._first_of_call = True
+        self.calls.generate_started(self)
 
     def _held(self) -> int:
         """Tokens the cache holds; the conversation is marked unknown if its layers were filled behind its back."""
@@ -235,18 +227,7 @@ class ProxyKVCache(DynamicCache):
 
     def _begin_forward(self, n: int) -> None:
         """At the first layer of every forward (``n`` new tokens): learn or check the prompt, record the tokens."""
-        forward, call = running_forward(3)
-        ids = forward.input_ids if forward is not None else None
-        ids = ids if ids is not None and ids.dim() == 2 and ids.shape[-1] == n else None
-        held = self._held()
-        if call is not None and (self._new_call or call.input_ids is not self._call_ids):
-            self._new_call, self._call_ids = False, call.input_ids
-            self._check_call(call, held)
-            held = self.get_seq_length()
-            self._first_of_call = True
-        if self._first_of_call and call is not None:
-            self._first_of_call = False
-            check_fed(call.input_ids, call.length, ids, held)
+        forward, ids, held = self.calls.forward_started(self, n)
         if self.prompt is None:
             if forward is None:
                 raise ValueError("ProxyKVCache could not find the model running this forward (called outside a "
@@ -268,12 +249,7 @@ class ProxyKVCache(DynamicCache):
             self._schedule = self._budgets = None  # (what an earlier call that failed before its forward started)
             self._start(make_prompt(call.input_ids, call.attention_mask, call.model, (call.batch, call.length)))
         elif self._prepared:  # prepare() named the prompt: generate must be given the same
-            want = self.prompt.input_ids
-            if want is not None and (call.input_ids is None or call.input_ids.shape != want.shape
-                                     or not torch.equal(call.input_ids.to(want.device), want)):
-                got = "inputs_embeds" if call.input_ids is None else f"ids of shape {tuple(call.input_ids.shape)}"
-                raise ValueError(f"generate() was given other tokens than the prompt passed to prepare() (ids of "
-                                 f"shape {tuple(want.shape)}; generate got {got}). {START_OVER}")
+            check_prepared_call(self.prompt.input_ids, call)
         else:
             factor = self.conversation.check(call.input_ids)
             if factor > 1:
@@ -346,9 +322,7 @@ class ProxyKVCache(DynamicCache):
         parent = getattr(super(), "activate_past_recording", None)
         if parent is not None:
             parent()
-        _, call = running_forward(2)
-        if call is not None:
-            self._split = candidates.FirstVerification.arm(self, call)
+        self.calls.verification_started(self)
 
     def crop(self, max_length: int) -> None:
         super().crop(max_length)
@@ -404,8 +378,8 @@ class ProxyKVCache(DynamicCache):
         for layer, saved in zip(self.layers, state["layers"]):
             layer.__dict__.clear()
             layer.__dict__.update(saved)
-        self.conversation, self.prompt, self._call_ids = copy.copy(state["conversation"]), state["prompt"], None
-        self._new_call = True
+        self.conversation, self.prompt = copy.copy(state["conversation"]), state["prompt"]
+        self.calls.forget()
 
     def physical_lengths(self) -> list[int]:
         """Entries stored per layer (compacted layers: K plus the tokens added since)."""
@@ -416,15 +390,7 @@ class ProxyKVCache(DynamicCache):
         """Bytes of memory the cache's layers hold: every tensor's whole storage, counted once (K/V with the spare
         room kept for later tokens, the kept positions and the global budget's packed indices). The token ids of
         the conversation (a few bytes per token) are not counted."""
-        seen, total = set(), 0
-        for layer in self.layers:
-            for t in held_tensors(layer):
-                storage = t.untyped_storage()
-                key = (t.device, storage.data_ptr(), storage.nbytes())
-                if t.device.type != "meta" and key not in seen:
-                    seen.add(key)
-                    total += storage.nbytes()
-        return total
+        return held_bytes(self.layers)
 
     # ----------------------------------------------------------------------------------------------- copy, pickle
     def _state(self, what: str) -> dict:
@@ -440,8 +406,7 @@ class ProxyKVCache(DynamicCache):
         memo[id(self)] = new
         for key, value in self._state("copy").items():
             new.__dict__[key] = value.fresh() if key == "scorer" and value is not None else copy.deepcopy(value, memo)
-        new._call_ids = new._split = None
-        new._new_call, new._first_of_call = True, False
+        new.calls = CallTracker(new_call=True)
         return new
 
     def __getstate__(self) -> dict:
@@ -451,8 +416,7 @@ class ProxyKVCache(DynamicCache):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._call_ids = self._split = None
-        self._new_call, self._first_of_call = True, False
+        self.calls = CallTracker(new_call=True)
 
     # ----------------------------------------------------------------------------------------------- on disk
     def save_context(self, path: str, tokenizer=None):

@@ -36,7 +36,7 @@ class FirstVerification:
 
     @classmethod
     def arm(cls, cache, call) -> "FirstVerification":
-        old = cache._split
+        old = cache.calls.split
         if old is not None:
             old.remove()
         return cls(cache, call.model, call.length)
@@ -44,8 +44,8 @@ class FirstVerification:
     def remove(self) -> None:
         self._pre.remove()
         self._post.remove()
-        if self.cache._split is self:
-            self.cache._split = None
+        if self.cache.calls.split is self:
+            self.cache.calls.split = None
 
     def _before(self, module, args, kwargs):
         if cache_of(kwargs) is not self.cache:
@@ -70,7 +70,7 @@ class FirstVerification:
             self.logits = first.logits[:, -1:]
             return args, _positions(kwargs, n, fed, logits=fed - n)
         self._post.remove()
-        self.cache._split = None
+        self.cache.calls.split = None
         if 0 < held < fed:  # a used cache: transformers feeds the whole conversation again; feed what is new
             have = self.cache.conversation.ids()
             if have is None or not torch.equal(ids[:, :held].to(have.device), have):

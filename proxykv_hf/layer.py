@@ -292,3 +292,17 @@ def held_tensors(layer):
             yield value
         else:
             yield from (t for t in getattr(value, "tensors", ()) if isinstance(t, torch.Tensor))
+
+
+def held_bytes(layers) -> int:
+    """Bytes of memory the cache ``layers`` hold: the whole storage of every tensor (:func:`held_tensors`), each
+    storage counted once (a view and the tensor it views share one)."""
+    seen, total = set(), 0
+    for layer in layers:
+        for t in held_tensors(layer):
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr(), storage.nbytes())
+            if t.device.type != "meta" and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
