@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     window = min(512, args.tokens)  # the encoder's window: its memory grows with the window squared
     mapper = mapper_config_for(out / "data", args.preset, crop_len=window, stride=window // 2, direct_path=True)
     train = TrainConfig(epochs=args.epochs, batch_size=4, warmup_steps=20, val_fraction=0.1,
-                        layers_per_step=min(6, model.config.num_hidden_layers), direct_path_lr_mult=50,
+                        layers_per_step=min(6, model.config.num_hidden_layers),
                         cpu=not torch.cuda.is_available())
     ckpt = train_mapper(out / "data", out / "mapper", mapper, train)  # the best epoch by validation loss
 

@@ -17,3 +17,20 @@ def check_known_fields(cls: type, data: dict[str, Any]) -> None:
     unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+
+
+def drop_removed_fields(data: dict[str, Any], removed: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` without the keys of options that were removed (``removed``: name -> the neutral value, what the
+    option did when it was off), so that files written before the removal still load.
+
+    Raises:
+        ValueError: a removed option with another value than its neutral one, naming the field (what the file asks
+            for can no longer be done).
+    """
+    for name, neutral in removed.items():
+        if name in data:
+            value = data[name]
+            if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):
+                raise ValueError(f"{where} field {name!r} was removed; only its neutral value {neutral!r} is "
+                                 f"accepted, got {value!r}")
+    return {k: v for k, v in data.items() if k not in removed}

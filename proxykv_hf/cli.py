@@ -8,13 +8,12 @@
     proxykv build-data --tasks niah_single_1 qa --n-per-task 20 --tokens 2048 --out runs/data
     proxykv train --data runs/data --out runs/mapper
     proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
-    proxykv combine-mappers runs/a runs/b --layers 0 1 2 --out runs/ab   # layers 0-2 scored by b's mapper
-    proxykv combine-mappers runs/a runs/b --weight 0.5 --out runs/ab     # a's and b's weights averaged
     proxykv eval --plugin mypackage.scorers --methods full mymethod ...   # a scorer registered in your own module
 
-Every subcommand takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and ``--model`` (a Hub id,
-a local directory, or the bundled default). Options that mirror a config dataclass are generated from it, their
-help from its ``Attributes:`` docstring section, so each default and description lives in one place.
+Every subcommand that runs a model takes ``--tiny`` (a tiny random model and tokenizer, seconds on a CPU) and
+``--model`` (a Hub id, a local directory, or the bundled default); every output directory is ``--out``. Options that
+mirror a config dataclass are generated from it, their help from its ``Attributes:`` docstring section, so each
+default and description lives in one place.
 
 A user error (a value out of range, a file or directory that is not there) ends the command with one line
 ``proxykv <command>: error: ...`` on stderr and exit status 2, as argparse does for the options it checks when it
@@ -30,15 +29,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .cache import DEFAULT_KEEP_RATIO
 from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
-                          context_out_arg, default_device, device_arg, dtype_of, field_docs, field_overrides,
-                          from_args, keep_ratio_arg, load, mapper_for, mapper_overrides, model_of_context, out_dir_arg,
-                          text_file_arg)
+                          context_out_arg, default_device, deprecated_alias, device_arg, dtype_of, field_docs,
+                          field_overrides, from_args, keep_ratio_arg, load, mapper_for, mapper_overrides,
+                          model_of_context, out_dir_arg, text_file_arg)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """The model a subcommand runs: ``--model``, ``--tiny``, ``--dtype``, ``--device``."""
     from .models import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id, local directory, or the bundled default")
@@ -49,30 +50,25 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_arg, default=None,
                    help="where the model runs, e.g. cpu, cuda, cuda:1 (default: cuda when there is one; cpu for "
                         "--tiny)")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    """The model, and the scorers a subcommand may build: ``--mapper`` and ``--plugin``."""
+    _model_args(p)
     p.add_argument("--mapper", type=checkpoint_arg, default=None,
                    help="ProxyKV mapper checkpoint: a directory or a Hub id (default: the bundled one)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, for the scorers it registers (proxykv_hf.scorers.register)")
 
 
-def _pool_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pool-kernel", type=int, default=None,
-                   help="ProxyKV: average-pool the mapper's scores over this many tokens before the Top-K (odd; "
-                        "default: the checkpoint's pool_kernel)")
-    p.add_argument("--layer-mix", type=float, default=None,
-                   help="ProxyKV: add this many times the mean of the earlier layers' standardised scores to each "
-                        "layer's (0 = off; default: the checkpoint's layer_mix)")
-
-
 # ------------------------------------------------------------------------------------------------ commands
-def _pipeline(ns, model, tok, tmp: str, **cache_kwargs):
-    """The pipeline of ``--method`` / ``--keep-ratio`` (and ``--mapper``, ``--pool-kernel``, ``--layer-mix``)."""
+def _pipeline(ns, model, tok, **cache_kwargs):
+    """The pipeline of ``--method`` / ``--keep-ratio`` (and ``--mapper``)."""
     from .pipeline import ProxyKVPipeline
     from .scorers import ScorerContext, registry
 
-    mapper = mapper_for(ns, model, tmp) if ns.method == "proxykv" else None
-    scorer = registry.build(ns.method, ScorerContext(model=model, tokenizer=tok, mapper=mapper,
-                                                     pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix))
+    mapper = mapper_for(ns, model) if ns.method == "proxykv" else None
+    scorer = registry.build(ns.method, ScorerContext(model=model, tokenizer=tok, mapper=mapper))
     return ProxyKVPipeline(model, tok, scorer, keep_ratio=1.0 if scorer is None else ns.keep_ratio, **cache_kwargs)
 
 
@@ -98,15 +94,14 @@ def cmd_generate(ns) -> int:
         _print_answers(ns.question, ProxyKVPipeline(model, tok).ask(context, ns.question,
                                                                   max_new_tokens=ns.max_new_tokens))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        pipe = _pipeline(ns, model, tok, tmp)
-        prompt = _prompt_text(ns)
-        if ns.question:
-            _print_answers(ns.question, pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
-        else:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True) if tok.chat_template else prompt
-            _print_answers(None, pipe(text, max_new_tokens=ns.max_new_tokens))
+    pipe = _pipeline(ns, model, tok)
+    prompt = _prompt_text(ns)
+    if ns.question:
+        _print_answers(ns.question, pipe.ask(prompt, ns.question, max_new_tokens=ns.max_new_tokens))
+    else:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                       add_generation_prompt=True) if tok.chat_template else prompt
+        _print_answers(None, pipe(text, max_new_tokens=ns.max_new_tokens))
     return 0
 
 
@@ -124,9 +119,7 @@ def cmd_compress(ns) -> int:
     if not text:
         raise ValueError("the context is empty: give a non-empty --prompt or --prompt-file to compress")
     model, tok = load(ns)
-    with tempfile.TemporaryDirectory() as tmp:
-        pipe = _pipeline(ns, model, tok, tmp, budget=ns.budget)
-        context = pipe.compress(text)
+    context = _pipeline(ns, model, tok, budget=ns.budget).compress(text)
     path = context.save(ns.out)
     print(json.dumps({"out": str(path), "tokens": context.num_tokens, "kv_bytes": context.nbytes,
                       "disk_bytes": sum(f.stat().st_size for f in path.iterdir()), "method": ns.method,
@@ -141,11 +134,8 @@ def cmd_eval(ns) -> int:
 
     model, tok = load(ns)
     cfg = from_args(EvalConfig, ns)
-    with tempfile.TemporaryDirectory() as tmp:
-        options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model, tmp), seed=ns.seed,
-                                kvzip_chunk=ns.kvzip_chunk, pool_kernel=ns.pool_kernel, layer_mix=ns.layer_mix,
-                                global_norm=ns.global_norm)
-        out = run_eval(model, tok, cfg, options)
+    options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model), seed=ns.seed, kvzip_chunk=ns.kvzip_chunk)
+    out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
     return 0
@@ -238,30 +228,6 @@ def cmd_train(ns) -> int:
     return 0
 
 
-def cmd_refit_direct(ns) -> int:
-    from .train.direct_fit import DirectFitConfig, refit_direct_path
-    from .train.losses import LossConfig
-
-    cfg = from_args(DirectFitConfig, ns, loss=LossConfig(**field_overrides(LossConfig, ns.loss, "--loss")))
-    ckpt = refit_direct_path(ns.mapper, ns.data, ns.out, cfg)
-    print(json.dumps({"direct_refit": {k: v for k, v in ckpt.training["direct_refit"].items() if k != "config"},
-                      "metrics": ckpt.metrics}, indent=2))
-    return 0
-
-
-def cmd_combine_mappers(ns) -> int:
-    from .hub import combine_checkpoints, interpolate_checkpoints, load_checkpoint, save_checkpoint
-
-    base, other = load_checkpoint(ns.base), load_checkpoint(ns.other)
-    if ns.layers is not None:
-        ckpt = combine_checkpoints(base, other, ns.layers)
-    else:
-        ckpt = interpolate_checkpoints(base, other, ns.weight)
-    save_checkpoint(ckpt, ns.out)
-    print(json.dumps({"out": ns.out, "layer_mappers": ckpt.layer_mappers, "weight": ns.weight}))
-    return 0
-
-
 def cmd_bench(ns) -> int:
     from .bench.cli import run_bench
 
@@ -299,9 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long prompt with each method")
     _common(p)
-    _pool_arg(p)
     p.add_argument("--context-tokens", type=int, default=2048, help="length of the prompt")
-    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3,
+    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=DEFAULT_KEEP_RATIO,
                    help="share of the prompt's K/V each method keeps, in (0, 1]")
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
     p.add_argument("--task", default="letter:everyday-test",
@@ -312,9 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")
     _common(p)
-    _pool_arg(p)
     p.add_argument("--method", default="proxykv", choices=METHODS)
-    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3, help="share of the prompt's K/V kept, in (0, 1]")
+    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=DEFAULT_KEEP_RATIO,
+                   help="share of the prompt's K/V kept, in (0, 1]")
     p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
     p.add_argument("--prompt-file", type=text_file_arg,
                    help="a text file holding the prompt (read instead of --prompt)")
@@ -330,9 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compress", help="compress a long prompt once and save it, for `generate --context`")
     _common(p)
-    _pool_arg(p)
     p.add_argument("--method", default="proxykv", choices=METHODS)
-    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=0.3, help="share of the prompt's K/V kept, in (0, 1]")
+    p.add_argument("--keep-ratio", type=keep_ratio_arg, default=DEFAULT_KEEP_RATIO,
+                   help="share of the prompt's K/V kept, in (0, 1]")
     p.add_argument("--budget", default="uniform", choices=["uniform", "global"],
                    help="the same share for every KV head, or ranked over all layers and heads together")
     p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
@@ -345,11 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
-    _pool_arg(p)
-    add_dataclass_args(p, EvalConfig, choices={"methods": METHODS, "split": ("dev", "test")})
+    add_dataclass_args(p, EvalConfig, skip=("out_dir",), choices={"methods": METHODS, "split": ("dev", "test")})
+    p.add_argument("--out", dest="out_dir", type=out_dir_arg, default=EvalConfig.out_dir,
+                   help="directory of the results, tables and plots (a stopped run resumes there)")
+    deprecated_alias(p, "--out-dir", "--out", dest="out_dir", type=out_dir_arg)
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")
-    p.add_argument("--global-norm", default="none", choices=["none", "layer"],
-                   help="ProxyKV under the global budget: its scores as they are, or standardised per layer")
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)
@@ -368,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build-data", help="proxy features + KVzip oracle scores -> mapper training shards (under "
                                           "torchrun: the texts split over the processes, merged by rank 0)")
-    _common(p)
+    _model_args(p)
     add_dataclass_args(p, DataConfig, skip=("oracle_kwargs", "dtype"))
     p.add_argument("--storage-dtype", default="float16", choices=["float16", "float32"],
                    help="dtype of the stored features and scores (--dtype is the model's)")
@@ -404,36 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override LossConfig fields (default: the paper's), e.g. lambda_list=5 list_ratio=0.1")
     p.set_defaults(fn=cmd_train)
 
-    from .train.direct_fit import DirectFitConfig
-
-    p = sub.add_parser("refit-direct", help="refit a trained mapper's direct path, the rest frozen, every layer a step")
-    add_dataclass_args(p, DirectFitConfig, skip=("loss",))
-    p.add_argument("--mapper", type=checkpoint_arg, required=True,
-                   help="the trained mapper (directory or Hub id), direct_path on")
-    p.add_argument("--data", required=True, help="a dataset directory from build-data for its proxy and target")
-    p.add_argument("--out", required=True, help="directory for the refitted checkpoint and refit_log.jsonl")
-    p.add_argument("--loss", nargs="*", default=[], metavar="FIELD=VALUE", help="override LossConfig fields")
-    p.set_defaults(fn=cmd_refit_direct)
-
-    p = sub.add_parser("combine-mappers", help="one checkpoint from two mappers: some target layers scored by the "
-                                               "other (--layers), or the two mappers' weights averaged (--weight)")
-    p.add_argument("base", type=checkpoint_arg,
-                   help="the checkpoint (directory or Hub id) that scores every other layer")
-    p.add_argument("other", type=checkpoint_arg,
-                   help="a checkpoint of the same proxy, target and mapper config (e.g. a fine-tune of base)")
-    how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--layers", type=int, nargs="+", help="0-based target layers that other scores")
-    how.add_argument("--weight", type=float,
-                     help="one mapper with weights (1 - W) * base + W * other, W in [0, 1]")
-    p.add_argument("--out", type=out_dir_arg, required=True, help="directory of the combined checkpoint")
-    p.set_defaults(fn=cmd_combine_mappers)
-
     p = sub.add_parser("bench", help="time to first token, peak memory, decode speed per method",
                        description="Time to first token, peak memory and decode speed per method. Prints a table, "
                                    "then the whole summary as one JSON line on stdout (the interface for scripts: "
                                    "read the last line); --out also writes it to bench.json.")
     _common(p)
-    _pool_arg(p)
     add_dataclass_args(p, BenchConfig, choices={"methods": METHODS})
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
     p.add_argument("--proxy-device", type=device_arg, default=None,

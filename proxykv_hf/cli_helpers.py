@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import typing
+import warnings
 
 import torch
 
@@ -117,6 +118,24 @@ def context_out_arg(text: str) -> str:
     except OSError as err:
         raise argparse.ArgumentTypeError(str(err)) from err
     return str(normalize(text))
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of an option: stores where the new one does, with a ``FutureWarning`` naming the new one."""
+
+    def __init__(self, option_strings, dest, *, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warnings.warn(f"{option_string} is deprecated; use {self.new}", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs) -> None:
+    """Accept ``old`` as a hidden, deprecated spelling of ``new`` (``kwargs``: the option's ``dest``, ``type``)."""
+    parser.add_argument(old, action=_DeprecatedAlias, new=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                        **kwargs)
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -227,9 +246,10 @@ def model_of_context(ns) -> None:
     ns.dtype = ns.dtype or saved["dtype"]
 
 
-def tiny_mapper_checkpoint(model, directory: str) -> str:
-    """A random (untrained) mapper for ``--tiny`` runs: exercises the machinery, predicts nothing useful."""
-    from .hub import Checkpoint, save_checkpoint
+def tiny_mapper_checkpoint(model):
+    """A random (untrained) mapper checkpoint for ``--tiny`` runs, in memory: exercises the machinery, predicts
+    nothing useful."""
+    from .hub import Checkpoint
     from .mapper import HybridAxialMapper, MapperConfig
     from .proxy import ProxySpec, every_kth_layer
     from .train.data import target_spec_of
@@ -241,16 +261,16 @@ def tiny_mapper_checkpoint(model, directory: str) -> str:
     cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=spec.num_heads,
                             num_target_layers=target.num_layers, num_target_heads=target.num_kv_heads)
     torch.manual_seed(0)
-    save_checkpoint(Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target), directory)
-    return directory
+    return Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target)
 
 
-def mapper_for(ns, model, tmp: str) -> str | None:
-    """The mapper checkpoint to use: ``--mapper``, a random one in ``tmp`` for ``--tiny``, else the bundled one."""
+def mapper_for(ns, model):
+    """The mapper checkpoint to use: ``--mapper`` (a directory or Hub id), a random one in memory for ``--tiny``
+    (:func:`tiny_mapper_checkpoint`), else the bundled one's directory (None where it is missing)."""
     if getattr(ns, "mapper", None):
         return ns.mapper
     if getattr(ns, "tiny", False):
-        return tiny_mapper_checkpoint(model, tmp)
+        return tiny_mapper_checkpoint(model)
     return str(BUNDLED_MAPPER) if BUNDLED_MAPPER.is_dir() else None
 
 

@@ -9,7 +9,6 @@ context's first :data:`WARMUP_TOKENS` tokens untimed, so that no method's time h
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 import torch
@@ -51,32 +50,30 @@ def run_demo(ns) -> int:
     ctx, q = torch.tensor([ctx_ids]), torch.tensor([q_ids])
     print(f"prompt: {ctx.shape[1] + q.shape[1]} tokens, task {sample.task}; question: {sample.question!r}")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        mapper = mapper_for(ns, model, tmp)
-        options = ScorerContext(tokenizer=tok, mapper=mapper, pool_kernel=ns.pool_kernel,
-                                layer_mix=ns.layer_mix)
-        methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
-        if len(methods) < len(ns.methods):
-            print("no mapper checkpoint found: skipping proxykv (pass --mapper)")
-        scorers = {method: build_method(method, model, options) for method in methods}
+    mapper = mapper_for(ns, model)
+    options = ScorerContext(tokenizer=tok, mapper=mapper)
+    methods = [m for m in ns.methods if m != "proxykv" or mapper is not None]
+    if len(methods) < len(ns.methods):
+        print("no mapper checkpoint found: skipping proxykv (pass --mapper)")
+    scorers = {method: build_method(method, model, options) for method in methods}
 
-        def fresh_cache(scorer) -> ProxyKVCache:
-            return ProxyKVCache(None, 1.0) if scorer is None else ProxyKVCache(scorer.fresh(), ns.keep_ratio)
+    def fresh_cache(scorer) -> ProxyKVCache:
+        return ProxyKVCache(None, 1.0) if scorer is None else ProxyKVCache(scorer.fresh(), ns.keep_ratio)
 
-        for method in tqdm(methods, desc="warm-up", unit="method"):
-            compress_context(model, fresh_cache(scorers[method]), ctx[:, :WARMUP_TOKENS])
-        for method in tqdm(methods, desc="methods", unit="method"):
-            cache = fresh_cache(scorers[method])
-            t0 = time.perf_counter()
-            compress_context(model, cache, ctx)
-            t_compress = time.perf_counter() - t0
-            t_first = _first_token_time(model, cache, ctx, q)
-            out = answer_from_cache(model, cache, ctx, q, max_new_tokens=ANSWER_TOKENS, do_sample=False,
-                                    pad_token_id=tok.pad_token_id)
-            answer = tok.decode(out[0], skip_special_tokens=True).strip()
-            answer = "".join(c if c.isprintable() else " " for c in " ".join(answer.split()))  # one table line
-            rows.append((method, cache.keep_ratio, answer, score_sample(sample, answer), t_compress + t_first,
-                         cache.nbytes()))
+    for method in tqdm(methods, desc="warm-up", unit="method"):
+        compress_context(model, fresh_cache(scorers[method]), ctx[:, :WARMUP_TOKENS])
+    for method in tqdm(methods, desc="methods", unit="method"):
+        cache = fresh_cache(scorers[method])
+        t0 = time.perf_counter()
+        compress_context(model, cache, ctx)
+        t_compress = time.perf_counter() - t0
+        t_first = _first_token_time(model, cache, ctx, q)
+        out = answer_from_cache(model, cache, ctx, q, max_new_tokens=ANSWER_TOKENS, do_sample=False,
+                                pad_token_id=tok.pad_token_id)
+        answer = tok.decode(out[0], skip_special_tokens=True).strip()
+        answer = "".join(c if c.isprintable() else " " for c in " ".join(answer.split()))  # one table line
+        rows.append((method, cache.keep_ratio, answer, score_sample(sample, answer), t_compress + t_first,
+                     cache.nbytes()))
     width = max(len(r[2]) for r in rows)
     width = min(max(width, 6), 48)
     print(f"\nexpected answer: {sample.answers}")

@@ -150,25 +150,19 @@ def snapkv_flops(config, n: int, window: int = 64, *, causal: bool = True) -> in
 
 
 def mapper_flops(config: MapperConfig, n: int) -> int:
-    """FLOPs of the mapper in eval mode on ``n`` tokens: stages 1-2 once per distinct paired proxy layer (each
-    token through the encoder once per window covering it), stage 3 once per proxy layer (per target layer with a
-    layer embedding), the direct path per target layer."""
+    """FLOPs of the mapper in eval mode on ``n`` tokens: stages 1-2 and stage 3 once per distinct paired proxy layer
+    (each token through the encoder once per window covering it), the direct path per target layer."""
     d, feats = config.d_time, config.num_features
-    stem = 6 * (feats * config.stem_hidden + config.stem_hidden * d) if config.conv_stem else 2 * feats * d
+    stem = 6 * (feats * config.stem_hidden + config.stem_hidden * d)
     window = min(n, config.crop_len)
     processed = len(window_starts(n, config.crop_len, config.stride)) * window
-    encoder = 0
-    if config.time_encoder == "transformer":  # q, k, v, out projections, the FFN, then attention over the window
-        encoder = config.num_encoder_layers * (2 * (4 + 2 * config.ffn_mult) * d * d + 4 * window * d)
-    if config.head_stage:
-        h_s, h_l, d_head = config.num_proxy_heads, config.num_target_heads, config.d_head
-        head = 4 * d * h_s * d_head + 4 * h_l * h_s * d_head + 2 * h_l * d_head
-    else:
-        head = 2 * d * config.num_target_heads
+    # q, k, v, out projections, the FFN, then attention over the window
+    encoder = config.num_encoder_layers * (2 * (4 + 2 * config.ffn_mult) * d * d + 4 * window * d)
+    h_s, h_l, d_head = config.num_proxy_heads, config.num_target_heads, config.d_head
+    head = 4 * d * h_s * d_head + 4 * h_l * h_s * d_head + 2 * h_l * d_head
     proxy_layers = len(set(config.pairing()))
-    heads_run = config.num_target_layers if config.layer_embedding else proxy_layers
     direct = 2 * config.num_target_heads * feats * config.num_target_layers if config.direct_path else 0
-    return proxy_layers * (n * stem + processed * encoder) + n * (heads_run * head + direct)
+    return proxy_layers * (n * stem + processed * encoder) + n * (proxy_layers * head + direct)
 
 
 def prefill_flops(target_config, n: int, *, proxy_kind: str | None = None, proxy_config=None,

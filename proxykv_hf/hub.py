@@ -20,10 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ._fields import drop_removed_fields
 from .checkpoint_shapes import check_weight_shapes
 from .mapper import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec, check_self_layers
-from .selection import check_kernel_size, check_layer_mix
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,9 @@ CARD_NAME = "README.md"
 FORMAT_VERSION = 1
 MAX_MAPPERS = 4096  # layer_mappers' indices: one mapper per target layer at most
 EXTRA_PREFIX = "extra_mappers."  # weight names of Checkpoint.extra_mappers[i]: "extra_mappers.<i>.<name>"
+REMOVED_FIELDS = {"pool_kernel": 1, "layer_mix": 0.0}
+"""Selection settings that were removed from ``proxykv_config.json``, with their neutral values (what selection
+always does now): a checkpoint that carries these loads, any other value is refused (:func:`load_checkpoint`)."""
 
 
 def _weight_prefix(i: int) -> str:
@@ -69,16 +72,8 @@ class Checkpoint:
     """Everything needed to use a trained mapper.
 
     Attributes:
-        pool_kernel: before the Top-K, each of the mapper's scores is lifted to the mean of the ``pool_kernel``
-            tokens around it where that is higher (odd; 1 = off, the paper's selection;
-            :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``). A scoring setting, not a weight: chosen
-            after training and stored with the mapper so that every user of the checkpoint selects the same way.
-        layer_mix: before the Top-K, each layer's scores (standardised per head over the real tokens) get
-            ``layer_mix`` times the mean of the standardised scores of that layer and every earlier one added: a
-            token that the earlier layers rank high is kept more often in the later ones too. 0 = off (the paper's
-            selection). A scoring setting like ``pool_kernel``.
         extra_mappers: further mappers of ``mapper``'s config (e.g. another fine-tune of it) for the target layers
-            ``layer_mappers`` gives them (:func:`combine_checkpoints`).
+            ``layer_mappers`` gives them.
         layer_mappers: per target layer, the mapper that scores it: 0 is ``mapper``, ``i`` is
             ``extra_mappers[i - 1]``; None scores every layer with ``mapper``. Each layer runs its own mapper only,
             so scoring costs what one mapper costs.
@@ -89,14 +84,10 @@ class Checkpoint:
     target: TargetSpec
     training: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
-    pool_kernel: int = 1
-    layer_mix: float = 0.0
     extra_mappers: list[HybridAxialMapper] = field(default_factory=list)
     layer_mappers: list[int] | None = None
 
     def __post_init__(self) -> None:
-        check_kernel_size(self.pool_kernel, "pool_kernel")
-        self.layer_mix = check_layer_mix(self.layer_mix)
         self._check_layer_mappers()
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
@@ -140,8 +131,8 @@ class Checkpoint:
         return self.mapper if self.layer_mappers is None else self.mappers[self.layer_mappers[layer]]
 
     def only_mapper(self, purpose: str) -> HybridAxialMapper:
-        """``mapper``, for uses that take one mapper (training from it, refitting it); raises for a combined
-        checkpoint, whose layers are scored by several."""
+        """``mapper``, for uses that take one mapper (training from it); raises for a checkpoint whose layers are
+        scored by several."""
         if self.extra_mappers:
             raise ValueError(f"{purpose} takes a checkpoint with one mapper; this one scores its layers with "
                              f"{len(self.mappers)} (layer_mappers {self.layer_mappers})")
@@ -215,8 +206,6 @@ def _card(ckpt: Checkpoint) -> str:
         f"| proxy features | attention {' and '.join(ckpt.proxy.statistics)} per head and token |",
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,}"
         + (f" each, {len(ckpt.mappers)} mappers |" if ckpt.extra_mappers else " |"),
-        f"| score pooling (`pool_kernel`) | {ckpt.pool_kernel} (1 = off) |",
-        f"| mixing with earlier layers (`layer_mix`) | {ckpt.layer_mix:g} (0 = off) |",
     ]
     if ckpt.layer_mappers is not None:
         lines.append(f"| mapper of each target layer (`layer_mappers`, 0 = the first) | {ckpt.layer_mappers} |")
@@ -237,8 +226,6 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
         "proxy": ckpt.proxy.to_dict(),
         "target": ckpt.target.to_dict(),
         "pairing": ckpt.mapper.pairing(),
-        "pool_kernel": ckpt.pool_kernel,
-        "layer_mix": ckpt.layer_mix,
         "layer_mappers": ckpt.layer_mappers,
         "training": ckpt.training,
         "metrics": ckpt.metrics,
@@ -246,7 +233,7 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
     state = {}
     for i, m in enumerate(ckpt.mappers):
         prefix = _weight_prefix(i)
-        # cloned: two mappers may share tensors (a checkpoint combined with itself), which safetensors refuses
+        # cloned: two mappers may share tensors (the same mapper for two indices), which safetensors refuses
         state.update({prefix + k: v.detach().cpu().contiguous().clone() for k, v in m.state_dict().items()})
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -341,6 +328,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"unsupported checkpoint format_version {config.get('format_version')!r} in {config_file}")
     try:
+        drop_removed_fields(config, REMOVED_FIELDS, "proxykv_config.json")
         mapper_config = MapperConfig.from_dict(config["mapper"])
         proxy = ProxySpec.from_dict(config["proxy"])
         target = TargetSpec(**config["target"])
@@ -371,59 +359,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, *, map_location: str | torc
                              f"{err}") from err
         mappers.append(mapper.to(map_location).eval())
     return Checkpoint(mapper=mappers[0], proxy=proxy, target=target, training=config.get("training", {}),
-                      metrics=config.get("metrics", {}), pool_kernel=config.get("pool_kernel", 1),
-                      layer_mix=config.get("layer_mix", 0.0), extra_mappers=mappers[1:], layer_mappers=layer_mappers)
-
-
-def combine_checkpoints(base: Checkpoint, other: Checkpoint, layers: list[int]) -> Checkpoint:
-    """``base`` with target ``layers`` (0-based) scored by ``other``'s mapper: a checkpoint of several mappers
-    (:attr:`Checkpoint.layer_mappers`). Both must read the same proxy for the same target with the same mapper
-    config (e.g. two fine-tunes of one mapper); selection settings (``pool_kernel``, ``layer_mix``) are ``base``'s.
-    The new checkpoint's ``training`` holds ``base``'s and, under ``"combined"``, the layers and ``other``'s."""
-    theirs = other.only_mapper("combine_checkpoints' other")
-    n = base.target.num_layers
-    if not layers or any(type(l) is not int or not 0 <= l < n for l in layers):
-        raise ValueError(f"layers must be a non-empty list of target layers in [0, {n}), got {layers}")
-    _check_alike(base, other)
-    choice = list(base.layer_mappers or [0] * n)
-    for l in layers:
-        choice[l] = len(base.mappers)
-    kept = sorted(set(choice))  # drop the mappers no layer reads any more, keeping the first one first
-    if kept[0] != 0:
-        kept.insert(0, 0)
-    mappers = [(base.mappers + [theirs])[i] for i in kept]
-    combined = {"layers": sorted(set(layers)), "training": other.training, "metrics": other.metrics}
-    return Checkpoint(mapper=mappers[0], proxy=base.proxy, target=base.target,
-                      training={**base.training, "combined": combined}, metrics=base.metrics,
-                      pool_kernel=base.pool_kernel, layer_mix=base.layer_mix, extra_mappers=mappers[1:],
-                      layer_mappers=[kept.index(i) for i in choice])
-
-
-def interpolate_checkpoints(base: Checkpoint, other: Checkpoint, weight: float) -> Checkpoint:
-    """One mapper whose weights are ``(1 - weight) * base + weight * other`` (floating-point tensors; integer buffers
-    are ``base``'s), e.g. a fine-tune averaged with the mapper it started from, which often keeps more of what the start
-    did well than the fine-tune alone (weight-space ensembling, WiSE-FT). Both must hold one mapper of the same
-    config for the same proxy and target; selection settings are ``base``'s. ``training`` holds ``base``'s and,
-    under ``"interpolated"``, the weight and ``other``'s; ``metrics`` is empty (no validation ran on the result)."""
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"weight must lie in [0, 1] (0 = base, 1 = other), got {weight}")
-    mine, theirs = base.only_mapper("interpolate_checkpoints' base"), other.only_mapper("interpolate_checkpoints' other")
-    _check_alike(base, other)
-    a, b = mine.state_dict(), theirs.state_dict()
-    mixed = HybridAxialMapper(mine.config)
-    mixed.load_state_dict({k: (1 - weight) * v + weight * b[k].to(v) if v.is_floating_point() else v.clone()
-                           for k, v in a.items()}, strict=True)
-    interpolated = {"weight": weight, "training": other.training, "metrics": other.metrics}
-    return Checkpoint(mapper=mixed.to(next(mine.parameters()).device).eval(), proxy=base.proxy, target=base.target,
-                      training={**base.training, "interpolated": interpolated}, metrics={},
-                      pool_kernel=base.pool_kernel, layer_mix=base.layer_mix)
-
-
-def _check_alike(base: Checkpoint, other: Checkpoint) -> None:
-    for name, a, b in (("proxy", base.proxy, other.proxy), ("target", base.target.to_dict(), other.target.to_dict()),
-                       ("mapper config", base.mapper.config, other.mapper.config)):
-        if a != b:
-            raise ValueError(f"the two checkpoints differ in their {name}: {a} against {b}")
+                      metrics=config.get("metrics", {}), extra_mappers=mappers[1:], layer_mappers=layer_mappers)
 
 
 def push_to_hub(ckpt: Checkpoint, repo_id: str, *, private: bool = False, token=None,

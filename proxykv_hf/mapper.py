@@ -10,10 +10,11 @@ Paper section "HybridAxialMapper architecture". One shared network maps the feat
    ``H_l`` target queries, then ``Linear(d_head -> 1)``.
 
 ``H_l`` counts the target's KV heads (the cache selects per KV head). Target layer ``l`` (1-based) reads proxy layer
-``ceil(l * L_s / L_l)``; without ``layer_embedding`` target layers sharing a proxy layer get identical
-scores, as the paper's shared mapper implies. Scores follow the package convention: higher means keep. Where the
-features carry more than the attention sum (``MapperConfig.num_statistics``), read ``H_s`` below as the
-``num_statistics * H_s`` feature rows of a layer wherever the input is meant.
+``ceil(l * L_s / L_l)``; target layers sharing a proxy layer get identical scores from these stages, as the paper's
+shared mapper implies (the optional direct path, ``MapperConfig.direct_path``, has weights per target layer). Scores
+follow the package convention: higher means keep. Where the features carry more than the attention sum
+(``MapperConfig.num_statistics``), read ``H_s`` below as the ``num_statistics * H_s`` feature rows of a layer
+wherever the input is meant.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 from torch import Tensor, nn
 
 from .mapper_blocks import ConvStem, DirectPath, HeadStage, TimeEncoder, window_starts
-from .mapper_config import INPUT_TRANSFORMS, TIME_ENCODERS, MapperConfig, layer_pairing
+from .mapper_config import INPUT_TRANSFORMS, MapperConfig, layer_pairing
 
 # MapperConfig and the pairing live in mapper_config.py (mapper_blocks reads them too); imported from here as before
-__all__ = ["INPUT_TRANSFORMS", "TIME_ENCODERS", "HybridAxialMapper", "MapperConfig", "layer_pairing", "mask_padding"]
+__all__ = ["INPUT_TRANSFORMS", "HybridAxialMapper", "MapperConfig", "layer_pairing", "mask_padding"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,7 @@ class HybridAxialMapper(nn.Module):
         self.layer_batch = layer_batch
         self.stem = ConvStem(config)
         self.time_encoder = TimeEncoder(config)
-        self.head = HeadStage(config) if config.head_stage else nn.Linear(config.d_time, config.num_target_heads)
-        self.layer_embedding = None
-        if config.layer_embedding:
-            self.layer_embedding = nn.Embedding(config.num_target_layers, config.d_time)
-            nn.init.normal_(self.layer_embedding.weight, std=0.02)
+        self.head = HeadStage(config)
         self.direct = DirectPath(config) if config.direct_path else None
 
     @property
@@ -80,11 +77,10 @@ class HybridAxialMapper(nn.Module):
         return self.config.pairing()
 
     def num_parameters_by_stage(self) -> dict[str, int]:
-        """Trainable parameter counts ``{"stem", "encoder", "head"}``; a layer embedding and a direct path count
-        as head."""
+        """Trainable parameter counts ``{"stem", "encoder", "head"}``; a direct path counts as head."""
         count = lambda m: 0 if m is None else sum(p.numel() for p in m.parameters())  # noqa: E731
         return {"stem": count(self.stem), "encoder": count(self.time_encoder),
-                "head": count(self.head) + count(self.layer_embedding) + count(self.direct)}
+                "head": count(self.head) + count(self.direct)}
 
     def encode(self, x_layer: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Stages 1-2 for one proxy layer, windowed over time.
@@ -130,13 +126,6 @@ class HybridAxialMapper(nn.Module):
                 count[s:s + crop] += 1
         return out / count[None, :, None]
 
-    def _head(self, z: Tensor, target_layer_idx: int) -> Tensor:
-        """z ``(B, N, d_time)`` -> ``(B, H_l, N)``."""
-        if self.layer_embedding is not None:
-            z = z + self.layer_embedding.weight[target_layer_idx]
-        out = self.head(z)
-        return out if self.config.head_stage else out.transpose(1, 2)  # (B, H_l, N)
-
     def forward_layer(self, x_layer: Tensor, target_layer_idx: int,
                       attention_mask: Tensor | None = None, earlier: list[Tensor] | None = None,
                       encoded: Tensor | None = None) -> Tensor:
@@ -167,7 +156,7 @@ class HybridAxialMapper(nn.Module):
         for e in earlier:
             self._check(e, 3, attention_mask)
         z = self.encode(x_layer, attention_mask) if encoded is None else encoded
-        out = self._head(z, target_layer_idx)
+        out = self.head(z)  # (B, H_l, N)
         if self.direct is None:
             return out
         feats = [self._direct_features(f, attention_mask) for f in (x_layer, *earlier)]
@@ -222,7 +211,7 @@ class HybridAxialMapper(nn.Module):
             mask = None if attention_mask is None else attention_mask.repeat(len(ps), 1)
             zs = self.encode(x[:, ps].transpose(0, 1).flatten(0, 1), mask).view(len(ps), b, x.shape[-1], -1)
             for p, z in zip(ps, zs):  # z: (B, N, d_time)
-                shared = None if self.layer_embedding is not None else self._head(z, 0)
+                shared = self.head(z)  # (B, H_l, N): the same for every target layer paired with p
                 paired = [l for l in dict.fromkeys(wanted) if pairs[l] == p]
                 f = None
                 if self.direct is not None:  # this proxy layer's direct features, then those of the earlier ones
@@ -232,7 +221,7 @@ class HybridAxialMapper(nn.Module):
                             direct_feats[q] = self._direct_features(x[:, q], attention_mask)
                     f = self._direct_inputs([direct_feats[q] for q in sources])
                 for l in paired:
-                    scores[l] = self._head(z, l) if shared is None else shared
+                    scores[l] = shared
                     if f is not None:
                         scores[l] = scores[l] + self.direct(f, l)
         return torch.stack([scores[l] for l in wanted], dim=1)  # (B, len(wanted), H_l, N)

@@ -59,14 +59,10 @@ class ConvStem(nn.Module):
     def __init__(self, config: MapperConfig) -> None:
         super().__init__()
         self.transform = config.input_transform
-        if config.conv_stem:
-            self.conv1 = nn.Conv1d(config.num_features, config.stem_hidden, kernel_size=3, padding=1)
-            self.bn1 = nn.BatchNorm1d(config.stem_hidden)
-            self.conv2 = nn.Conv1d(config.stem_hidden, config.d_time, kernel_size=3, padding=1)
-            self.bn2 = nn.BatchNorm1d(config.d_time)
-        else:
-            self.conv1 = nn.Conv1d(config.num_features, config.d_time, kernel_size=1)
-            self.bn1 = self.conv2 = self.bn2 = None
+        self.conv1 = nn.Conv1d(config.num_features, config.stem_hidden, kernel_size=3, padding=1)
+        self.bn1 = nn.BatchNorm1d(config.stem_hidden)
+        self.conv2 = nn.Conv1d(config.stem_hidden, config.d_time, kernel_size=3, padding=1)
+        self.bn2 = nn.BatchNorm1d(config.d_time)
 
     def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
         """x ``(B, H_s, N)``, valid ``(B, N)`` bool -> ``(B, d_time, N)``."""
@@ -74,8 +70,6 @@ class ConvStem(nn.Module):
         keep = None if valid is None else valid[:, None, :].to(x.dtype)  # (B, 1, N)
         if keep is not None:
             x = x * keep
-        if self.conv2 is None:
-            return nn.functional.gelu(self.conv1(x))
         h = nn.functional.gelu(self.bn1(self.conv1(x)))  # (B, stem_hidden, N)
         if keep is not None:
             h = h * keep  # padding must look like the conv's zero padding to its real neighbours
@@ -87,22 +81,14 @@ class TimeEncoder(nn.Module):
 
     def __init__(self, config: MapperConfig) -> None:
         super().__init__()
-        self.kind = config.time_encoder
-        self.encoder = None
-        if self.kind == "transformer":
-            layer = nn.TransformerEncoderLayer(
-                config.d_time, config.num_encoder_heads, dim_feedforward=config.ffn_mult * config.d_time,
-                dropout=config.dropout, activation="gelu", batch_first=True, norm_first=True)
-            self.encoder = nn.TransformerEncoder(layer, config.num_encoder_layers, norm=nn.LayerNorm(config.d_time),
-                                                 enable_nested_tensor=False)
+        layer = nn.TransformerEncoderLayer(
+            config.d_time, config.num_encoder_heads, dim_feedforward=config.ffn_mult * config.d_time,
+            dropout=config.dropout, activation="gelu", batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, config.num_encoder_layers, norm=nn.LayerNorm(config.d_time),
+                                             enable_nested_tensor=False)
 
     def forward(self, z: Tensor, valid: Tensor | None = None) -> Tensor:
         """z ``(B, W, d_time)``, valid ``(B, W)`` bool -> ``(B, W, d_time)``."""
-        if self.kind == "none":
-            return z
-        if self.kind == "meanpool":
-            w = torch.ones_like(z[..., :1]) if valid is None else valid[..., None].to(z.dtype)  # (B, W, 1)
-            return z + (z * w).sum(1, keepdim=True) / w.sum(1, keepdim=True).clamp_min(1)
         if valid is None:
             positions = torch.arange(z.shape[1], device=z.device)[None]  # (1, W): the same for every window
             pad = None

@@ -11,12 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ._fields import check_known_fields
+from ._fields import check_known_fields, drop_removed_fields
 
-__all__ = ["INPUT_TRANSFORMS", "TIME_ENCODERS", "MapperConfig", "layer_pairing"]
+__all__ = ["INPUT_TRANSFORMS", "MapperConfig", "REMOVED_FIELDS", "layer_pairing"]
 
 INPUT_TRANSFORMS = ("log1p", "log", "none")
-TIME_ENCODERS = ("transformer", "meanpool", "none")
+REMOVED_FIELDS = {"conv_stem": True, "time_encoder": "transformer", "head_stage": True, "layer_embedding": False}
+"""Ablation switches that were removed, with the value every shipped mapper has (what the mapper always does now):
+a checkpoint that carries these values loads, any other value is refused (:meth:`MapperConfig.from_dict`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -39,11 +41,6 @@ class MapperConfig:
       maxima through ``log``.
     * ``dropout = 0.1``: PyTorch's encoder default. The ``small`` preset uses 0, which also lets the encoder's
       attention take PyTorch's fused path when training on the CPU.
-
-    Ablation switches: ``conv_stem=False`` replaces stage 1 by a pointwise ``Conv1d(k=1) + GELU``;
-    ``time_encoder="meanpool"`` replaces the transformer by adding the window's masked mean (no parameters),
-    ``"none"`` by the identity; ``head_stage=False`` replaces stage 3 by ``Linear(d_time -> H_l)``;
-    ``layer_embedding=True`` adds a learned target-layer embedding before stage 3 (off in the paper).
 
     Beyond the paper: ``direct_path=True`` adds a residual linear path from the transformed input features to the
     logits. Per target layer ``l`` and KV head ``h`` it adds ``sum_s W[l, h, s] * f_s + b[l, h]``, with ``f_s`` the
@@ -76,10 +73,6 @@ class MapperConfig:
     stride: int = 1024
     dropout: float = 0.1
     input_transform: str = "log1p"
-    conv_stem: bool = True
-    time_encoder: str = "transformer"
-    head_stage: bool = True
-    layer_embedding: bool = False
     direct_path: bool = False
     direct_context: int = 0
     num_statistics: int = 1
@@ -104,8 +97,6 @@ class MapperConfig:
         if any(t not in INPUT_TRANSFORMS for t in parts) or len(parts) not in (1, self.num_statistics):
             raise ValueError(f"input_transform must be one of {INPUT_TRANSFORMS}, or one per statistic separated by "
                              f"commas ({self.num_statistics} statistics), got {self.input_transform!r}")
-        if self.time_encoder not in TIME_ENCODERS:
-            raise ValueError(f"time_encoder must be one of {TIME_ENCODERS}, got {self.time_encoder!r}")
         if self.direct_context and not self.direct_path:
             raise ValueError(f"direct_context {self.direct_context} needs direct_path=True")
         if self.direct_context >= self.num_proxy_layers:
@@ -151,7 +142,9 @@ class MapperConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MapperConfig:
-        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``."""
+        """Inverse of :meth:`to_dict`; unknown keys raise ``ValueError``, and so does a field of
+        :data:`REMOVED_FIELDS` with another value than the one listed there."""
+        data = drop_removed_fields(data, REMOVED_FIELDS, "MapperConfig")
         check_known_fields(cls, data)
         return cls(**data)
 

@@ -11,30 +11,34 @@ answers like ``text-generation`` does, with a fresh ProxyKV cache per call.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 import torch
 from transformers import AutoModelForCausalLM, TextGenerationPipeline
 
-from .cache import ProxyKVCache
+from .cache import DEFAULT_KEEP_RATIO, ProxyKVCache
 from .compat import with_cache
 from .compressed import CompressedContext, encode_context
 from .fingerprints import describe_model, model_mismatch
+from .hub import Checkpoint
 from .scorers.base import Scorer
 
 logger = logging.getLogger(__name__)
 
 TASK = "proxykv-generation"
-CacheSource = "ProxyKVCache | Scorer | str | Callable[[], ProxyKVCache] | None"
+CacheSource = "ProxyKVCache | Scorer | str | os.PathLike | Checkpoint | Callable[[], ProxyKVCache] | None"
 
 
 def make_cache_factory(source: Any = None, keep_ratio: float | None = None, **kwargs) -> Callable[[], ProxyKVCache]:
     """Turn what a user passes into a function returning a fresh cache for each call.
 
     Args:
-        source: a mapper checkpoint (directory or Hub id), a :class:`ProxyKVCache` template, a
-            :class:`~proxykv_hf.scorers.base.Scorer`, a zero-argument callable returning a cache, or None (full cache).
-        keep_ratio: the budget (ignored for a ready template or callable).
+        source: a mapper checkpoint (directory, Hub id, or a :class:`~proxykv_hf.hub.Checkpoint` in memory), a
+            :class:`ProxyKVCache` template, a :class:`~proxykv_hf.scorers.base.Scorer`, a zero-argument callable
+            returning a cache, or None (full cache).
+        keep_ratio: the budget (ignored for a ready template or callable); None: :data:`DEFAULT_KEEP_RATIO
+            <proxykv_hf.cache.DEFAULT_KEEP_RATIO>` (1.0 for the full cache).
         **kwargs: passed to :meth:`ProxyKVCache.from_pretrained` for checkpoints, to the constructor otherwise.
     """
     if callable(source) and not isinstance(source, (Scorer, ProxyKVCache)):
@@ -43,14 +47,15 @@ def make_cache_factory(source: Any = None, keep_ratio: float | None = None, **kw
         if keep_ratio is not None and keep_ratio != source.keep_ratio:
             raise ValueError(f"keep_ratio={keep_ratio} conflicts with the template cache's {source.keep_ratio}")
         return source.fresh
-    ratio = 1.0 if keep_ratio is None and source is None else (0.3 if keep_ratio is None else keep_ratio)
-    if isinstance(source, str):
+    ratio = 1.0 if keep_ratio is None and source is None else (DEFAULT_KEEP_RATIO if keep_ratio is None else
+                                                                 keep_ratio)
+    if isinstance(source, (str, os.PathLike, Checkpoint)):
         template = ProxyKVCache.from_pretrained(source, ratio, **kwargs)
     elif source is None or isinstance(source, Scorer):
         template = ProxyKVCache(source, ratio, **kwargs)
     else:
-        raise ValueError(f"cannot build a ProxyKV cache from {type(source).__name__}; pass a checkpoint path or "
-                         "Hub id, a ProxyKVCache, a Scorer or a callable")
+        raise ValueError(f"cannot build a ProxyKV cache from {type(source).__name__}; pass a checkpoint (path, Hub "
+                         "id or Checkpoint), a ProxyKVCache, a Scorer or a callable")
     return template.fresh
 
 

@@ -97,69 +97,6 @@ def check_kernel_size(kernel_size: object, name: str = "kernel_size") -> int:
     return kernel_size
 
 
-def check_layer_mix(weight: object, name: str = "layer_mix") -> float:
-    """``weight`` as a float, or a ``ValueError`` if it is not a finite number >= 0."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {weight!r}")
-    return float(weight)
-
-
-def masked_moments(scores: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...] = (-1,)
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean and standard deviation (at least 1e-6) of `(B, H, T)` scores over the real tokens of ``valid`` `(B, T)`
-    along ``dims`` (kept as size 1: per row and head by default, ``(1, 2)`` per row), and the `(B, H, T)` real-token
-    mask."""
-    real = valid.to(scores.device)[:, None, :].expand_as(scores)
-    n = real.sum(dims, keepdim=True).clamp_min(1)
-    s = scores.float().masked_fill(~real, 0.0)
-    mean = s.sum(dims, keepdim=True) / n
-    var = ((s - mean) ** 2).masked_fill(~real, 0.0).sum(dims, keepdim=True) / n
-    return mean, var.sqrt().clamp_min(1e-6), real
-
-
-def standardise(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """`(B, H, T)` scores shifted and scaled to mean 0 and standard deviation 1 per row and head over the real
-    tokens of ``valid`` `(B, T)`; padding positions get 0."""
-    mean, std, real = masked_moments(scores, valid)
-    return ((scores.float() - mean) / std).masked_fill(~real, 0.0)
-
-
-class LayerMixer:
-    """Mixes each layer's scores with those of the layers scored before it, in the order they come (layer by
-    layer during a prefill).
-
-    With ``z`` a layer's scores standardised per row and head over the real tokens (:func:`standardise`) and ``m``
-    the mean of ``z`` over the heads of this layer and every earlier one, a head's ranking follows
-    ``z + weight * m``: a token that the layers so far rank high is lifted, so a fact kept in the early layers is
-    less often lost in a later one. The result is mapped back to each head's own mean and spread (so it ranks
-    like ``z + weight * m`` within a head, and heads keep their scale for the global budget). ``weight`` 0
-    returns the scores as they are; padding positions keep theirs. One instance serves one prefill (:meth:`reset`
-    between prompts).
-    """
-
-    def __init__(self, weight: float = 0.0):
-        self.weight = check_layer_mix(weight)
-        self.reset()
-
-    def reset(self) -> None:
-        self._sum: torch.Tensor | None = None
-        self._count = 0
-
-    def __call__(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        if self.weight == 0:
-            return scores
-        mean, std, real = masked_moments(scores, valid)
-        z = ((scores.float() - mean) / std).masked_fill(~real, 0.0)
-        layer = z.mean(1, keepdim=True)  # (B, 1, T)
-        if self._sum is not None and self._sum.shape != layer.shape:
-            raise ValueError(f"LayerMixer got scores of {tuple(scores.shape)} after {tuple(self._sum.shape)}; "
-                             "call reset() between prompts")
-        self._sum = layer if self._sum is None else self._sum + layer
-        self._count += 1
-        mixed = mean + std * (z + self.weight * (self._sum / self._count))
-        return torch.where(real, mixed, scores.float()).to(scores.dtype)
-
-
 def smooth_scores(scores: torch.Tensor, valid: torch.Tensor, kernel_size: int, *,
                   keep_peaks: bool = False) -> torch.Tensor:
     """Average-pool `(B, H, T)` scores along the tokens over the real tokens of each window (a padded row pools

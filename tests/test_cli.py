@@ -17,7 +17,7 @@ def test_eval_tiny(tmp_path, capsys):
     out = tmp_path / "eval"
     main(["eval", "--tiny", "--methods", "full", "kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam",
           "--keep-ratios", "0.3", "0.7", "--tasks", "niah_single_1", "--context-lengths", "300", "--n-samples", "2",
-          "--max-new-tokens", "4", "--out-dir", str(out), "--kvzip-chunk", "128"])
+          "--max-new-tokens", "4", "--out", str(out), "--kvzip-chunk", "128"])
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(records) == 2 * (1 + 6 * 2)
     assert {r["method"] for r in records} == {"full", "kvzip", "snapkv", "streaming", "random", "proxykv",
@@ -27,10 +27,11 @@ def test_eval_tiny(tmp_path, capsys):
     fid = [r for r in records if r["method"] == "kvzip"]
     assert all(r["topk_recall"] == pytest.approx(1.0) for r in fid)  # the oracle against itself
     assert (out / "results.md").exists() and (out / "accuracy.png").exists()
-    # resumable: a second run adds nothing
-    main(["eval", "--tiny", "--methods", "full", "snapkv", "--keep-ratios", "0.3", "0.7", "--tasks",
-          "niah_single_1", "--context-lengths", "300", "--n-samples", "2", "--max-new-tokens", "4", "--out-dir",
-          str(out)])
+    # resumable: a second run adds nothing (here with --out's old spelling, --out-dir)
+    with pytest.warns(FutureWarning, match="--out-dir is deprecated; use --out"):
+        main(["eval", "--tiny", "--methods", "full", "snapkv", "--keep-ratios", "0.3", "0.7", "--tasks",
+              "niah_single_1", "--context-lengths", "300", "--n-samples", "2", "--max-new-tokens", "4", "--out-dir",
+              str(out)])
     assert len((out / "results.jsonl").read_text().splitlines()) == len(records)
     assert "ProxyKV / KVzip" in capsys.readouterr().out
 
@@ -38,7 +39,7 @@ def test_eval_tiny(tmp_path, capsys):
 @pytest.mark.slow  # a whole command on a tiny model
 def test_demo_tiny(capsys):
     """The README's main command, on a tiny random model: one table row per method, with the cache sizes."""
-    main(["demo", "--tiny", "--context-tokens", "300", "--pool-kernel", "3"])
+    main(["demo", "--tiny", "--context-tokens", "300"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("method "))
@@ -220,13 +221,13 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
     assert (merged["texts"], merged["crops"]) == (4, manifest["crops"] + other["crops"])
     main(["train", "--data", str(data), "--out", str(mapper), "--preset", "tiny", "--epochs", "1",
           "--warmup-steps", "2", "--batch-size", "4", "--no-progress", "--layers-per-step", "2",
-          "--mapper-config", "d_time=16", "num_encoder_heads=2", "conv_stem=false"])
+          "--mapper-config", "d_time=16", "num_encoder_heads=2", "ffn_mult=4"])
     from proxykv_hf import ProxyKVCache
 
     cache = ProxyKVCache.from_pretrained(mapper, keep_ratio=0.5)
     assert cache.scorer.checkpoint.target.num_layers == 4
-    assert cache.scorer.mapper.config.d_time == 16 and cache.scorer.mapper.config.conv_stem is False
-    for bad in (["d_time"], ["width=3"], ["d_time=wide"], ["conv_stem=maybe"]):
+    assert cache.scorer.mapper.config.d_time == 16 and cache.scorer.mapper.config.ffn_mult == 4
+    for bad in (["d_time"], ["width=3"], ["d_time=wide"], ["direct_path=maybe"], ["conv_stem=false"]):
         with pytest.raises(SystemExit, match="--mapper-config"):
             main(["train", "--data", str(data), "--out", str(tmp_path / "x"), "--preset", "tiny",
                   "--mapper-config", *bad])
@@ -239,14 +240,6 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--loss"):
         main(["train", "--data", str(data), "--out", str(tmp_path / "y"), "--preset", "tiny",
               "--loss", "lambda_listy=2"])
-    capsys.readouterr()
-    main(["refit-direct", "--mapper", str(tmp_path / "list"), "--data", str(data), "--out", str(tmp_path / "refit"),
-          "--epochs", "2", "--val-fraction", "0.5", "--no-progress", "--loss", "lambda_fine=0"])
-    printed = json.loads(capsys.readouterr().out)
-    assert printed["direct_refit"]["train_crops"] > 0 and "loss" in printed["metrics"]
-    saved = json.loads((tmp_path / "refit" / "proxykv_config.json").read_text())
-    assert saved["training"]["direct_refit"]["config"]["loss"]["lambda_fine"] == 0.0
-    assert ProxyKVCache.from_pretrained(tmp_path / "refit", keep_ratio=0.5).scorer.mapper.config.direct_path
 
 
 
@@ -287,7 +280,7 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path, monkeypatch):
 
     out = tmp_path / "eval"
     common = ["eval", "--tiny", "--keep-ratios", "0.3", "--tasks", "niah_single_1", "--context-lengths", "300",
-              "--n-samples", "1", "--max-new-tokens", "2", "--out-dir", str(out), "--kvzip-chunk", "128"]
+              "--n-samples", "1", "--max-new-tokens", "2", "--out", str(out), "--kvzip-chunk", "128"]
     main(common + ["--methods", "full", "kvzip"])
     built = []
     real_init = KVzipScorer.__init__
@@ -297,19 +290,16 @@ def test_eval_adds_methods_later_with_fidelity(tmp_path, monkeypatch):
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     snap = [r for r in records if r["method"] == "snapkv"]
     assert len(snap) == 1 and 0 <= snap[0]["topk_recall"] <= 1 and 0 < snap[0]["mass_recovery"] <= 1
-    # ProxyKV with its scores pooled: the run's config records the setting
-    main(common + ["--methods", "proxykv", "--pool-kernel", "3"])
-    assert json.loads((out / "config.json").read_text())["options"]["pool_kernel"] == 3
-    with pytest.raises(SystemExit, match="pool_kernel must be a positive odd int") as info:  # a user error: status 2
-        main(common + ["--methods", "proxykv", "--pool-kernel", "2"])
-    assert info.value.code == 2
+    # ProxyKV with --tiny's random mapper, handed over in memory: the run's config says so
+    main(common + ["--methods", "proxykv"])
+    assert json.loads((out / "config.json").read_text())["options"]["mapper"] == "a Checkpoint in memory"
 
 
 def test_eval_report_splits_held_out_families(tmp_path):
     out = tmp_path / "eval"
     main(["eval", "--tiny", "--methods", "full", "kvzip", "snapkv", "--keep-ratios", "0.3", "--tasks",
           "niah_single_1", "vt", "--context-lengths", "300", "--n-samples", "1", "--max-new-tokens", "2",
-          "--out-dir", str(out), "--kvzip-chunk", "128", "--held-out", "vt"])
+          "--out", str(out), "--kvzip-chunk", "128", "--held-out", "vt"])
     text = (out / "results.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| snapkv | ")]
     assert any("| trained families |" in r for r in rows) and any("| held-out (vt) |" in r for r in rows)
@@ -325,7 +315,7 @@ def test_eval_generate_protocol(tmp_path):
     out = tmp_path / "gen"
     main(["eval", "--tiny", "--protocol", "generate", "--methods", "full", "snapkv", "--keep-ratios", "0.5",
           "--tasks", "niah_single_1", "--context-lengths", "300", "--n-samples", "1", "--max-new-tokens", "2",
-          "--out-dir", str(out)])
+          "--out", str(out)])
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["method"], r["protocol"]) for r in records] == [("full", "generate"), ("snapkv", "generate")]
     assert records[1]["kv_bytes"] < records[0]["kv_bytes"]
@@ -398,3 +388,21 @@ def test_install_models_prints_pinned_requirements(capsys):
     with pytest.raises(SystemExit) as err:
         main(["install-models", "qwen-7b"])
     assert err.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["refit-direct", "--help"], ["combine-mappers", "a", "b", "--weight", "0.5", "--out", "c"],
+    ["generate", "--tiny", "--prompt", "x", "--pool-kernel", "3"],
+    ["generate", "--tiny", "--prompt", "x", "--layer-mix", "1"], ["eval", "--tiny", "--global-norm", "layer"],
+    ["build-data", "--tiny", "--tasks", "vt", "--mapper", ".", "--out", "x"],
+    ["build-data", "--tiny", "--tasks", "vt", "--plugin", "os", "--out", "x"],
+    ["train", "--data", "d", "--out", "o", "--direct-path-lr-mult", "50"],
+    ["train", "--data", "d", "--out", "o", "--layer-embedding-lr-mult", "2"],
+])
+def test_removed_subcommands_and_options_are_user_errors(argv, capsys):
+    """What served finished experiments or did nothing is gone: argparse refuses it in one line, status 2."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err

@@ -23,10 +23,10 @@ RATIO = 0.5
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, single_thread):
+def world(single_thread):
     model = tiny_model("llama")
-    ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=tiny_mapper_checkpoint(
-        model, str(tmp_path_factory.mktemp("mapper"))), kvzip_chunk=16)
+    ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=tiny_mapper_checkpoint(model),
+                        kvzip_chunk=16)
     scorers = {name: registry.build(name, ctx) for name in SCORERS if name != "proxykv_self"}
     # the mapper in float32: under bfloat16 autocast (CPUs with AVX512-BF16 or AMX) a padded row's logits differ from
     # its logits alone by rounding, which can swap two near-tied tokens; what these tests check is the cache's logic

@@ -13,7 +13,7 @@ PRODUCT = sorted(str(p.relative_to(PKG)) for p in [*PKG.glob("*.py"), *(PKG / "s
                  if p.stem not in TOOLING)
 """Every module a user imports (the cache, scoring, scorers, mapper, proxy, hub, pipeline, compressed contexts,
 the store, models, ...): all of the package but the tooling built on it."""
-MAX_LINES = 500  # past this a module is split by concept (STYLE.md: aim for 100-350)
+MAX_LINES = 450  # past this a module is split by concept (STYLE.md: aim for 100-350)
 
 
 def _imports(path: Path) -> set[str]:

@@ -142,9 +142,11 @@ def test_forward_reuses_paired_proxy_layer_and_matches_forward_layer():
     assert torch.equal(out[:, 0], out[:, 1]) and not torch.equal(out[:, 1], out[:, 2])
 
 
-@pytest.mark.parametrize("layer_embedding", [False, True])
-def test_forward_on_a_subset_of_target_layers(layer_embedding):
-    m = tiny(num_proxy_layers=2, num_target_layers=4, layer_embedding=layer_embedding)
+@pytest.mark.parametrize("direct_path", [False, True])
+def test_forward_on_a_subset_of_target_layers(direct_path):
+    m = tiny(num_proxy_layers=2, num_target_layers=4, direct_path=direct_path)
+    if direct_path:
+        torch.nn.init.normal_(m.direct.weight)
     x = torch.rand(2, 2, 2, 24)
     with torch.no_grad():
         full = m(x)
@@ -153,14 +155,6 @@ def test_forward_on_a_subset_of_target_layers(layer_embedding):
     for bad in ([], [4], [-1]):
         with pytest.raises(ValueError, match="target_layers"):
             m(x, target_layers=bad)
-
-
-def test_layer_embedding_separates_paired_layers():
-    m = tiny(num_proxy_layers=2, num_target_layers=4, layer_embedding=True)
-    with torch.no_grad():
-        out = m(torch.rand(2, 2, 2, 24))
-    assert not torch.allclose(out[:, 0], out[:, 1])
-    assert m.num_parameters_by_stage()["head"] == tiny().num_parameters_by_stage()["head"] + 4 * m.config.d_time
 
 
 def test_right_padding_does_not_change_real_tokens():
@@ -232,20 +226,14 @@ def test_bfloat16_window_attention_equals_sdpa(monkeypatch, rows):
     torch.testing.assert_close(padded[valid], enc(z, valid)[valid], atol=5e-2, rtol=5e-2)
 
 
-def test_ablation_switches():
+def test_stage_sizes():
     cfg = MapperConfig.tiny()
-    h_s, h_l, d = cfg.num_proxy_heads, cfg.num_target_heads, cfg.d_time
+    h_l, d = cfg.num_target_heads, cfg.d_time
     full = tiny().num_parameters_by_stage()
-    x = torch.rand(2, 2, h_s, 21)
-    no_stem = tiny(conv_stem=False)
-    assert no_stem.num_parameters_by_stage()["stem"] == h_s * d + d
-    for kind in ("meanpool", "none"):
-        m = tiny(time_encoder=kind)
-        assert m.num_parameters_by_stage() == {**full, "encoder": 0}
-    no_head = tiny(head_stage=False)
-    assert no_head.num_parameters_by_stage()["head"] == d * h_l + h_l
-    for m in (no_stem, tiny(time_encoder="meanpool"), no_head, tiny(input_transform="none")):
-        assert m(x).shape == (2, 4, h_l, 21)
+    x = torch.rand(2, 2, cfg.num_proxy_heads, 21)
+    assert tiny(input_transform="none")(x).shape == (2, 4, h_l, 21)
+    direct = tiny(direct_path=True).num_parameters_by_stage()
+    assert direct == {**full, "head": full["head"] + cfg.num_target_layers * h_l * (cfg.num_features + 1)}
     ffn4 = tiny(ffn_mult=4).num_parameters_by_stage()["encoder"]
     assert ffn4 - full["encoder"] == cfg.num_encoder_layers * (4 * d * d + 2 * d)  # FFN width 2d -> 4d
 
@@ -287,10 +275,26 @@ def test_presets_and_json_roundtrip():
         MapperConfig.from_dict({**MapperConfig.tiny().to_dict(), "bogus": 1})
 
 
+def test_removed_switches_load_at_their_neutral_values_only():
+    """Configs written while the ablation switches existed load when they hold what every shipped mapper has
+    (conv stem, transformer encoder, head stage, no layer embedding); any other value is refused, naming the
+    field."""
+    cfg = MapperConfig.tiny()
+    old = {**cfg.to_dict(), "conv_stem": True, "time_encoder": "transformer", "head_stage": True,
+           "layer_embedding": False}
+    assert MapperConfig.from_dict(old) == cfg
+    for name, value in (("conv_stem", False), ("time_encoder", "meanpool"), ("time_encoder", "none"),
+                        ("head_stage", False), ("layer_embedding", True), ("conv_stem", 1)):
+        with pytest.raises(ValueError, match=f"'{name}' was removed.*got {re.escape(repr(value))}"):
+            MapperConfig.from_dict({**old, name: value})
+    with pytest.raises(TypeError):  # no longer a field
+        MapperConfig.tiny(conv_stem=True)
+
+
 @pytest.mark.parametrize("bad", [
     dict(num_proxy_heads=0), dict(num_target_layers=-1), dict(d_head=1.5), dict(d_time=True),
     dict(num_encoder_heads=7), dict(stride=65), dict(dropout=1.0), dict(dropout=-0.1),
-    dict(time_encoder="lstm"), dict(input_transform="sqrt"), dict(conv_stem="yes"), dict(layer_embedding=1),
+    dict(input_transform="sqrt"), dict(direct_path=1), dict(direct_context=-1),
 ])
 def test_bad_config_raises(bad):
     (value,) = bad.values()

@@ -1,6 +1,7 @@
 """ProxyKV end to end on tiny models: checkpoints, from_pretrained (local dir and offline Hub cache), proxies,
 the pipelines."""
 
+import json
 import math
 import shutil
 
@@ -76,73 +77,6 @@ def test_one_liner_generate(tmp_path, target, proxy, kind):
     assert torch.equal(out, target.generate(**inputs, past_key_values=cache.fresh(), **kw))
 
 
-def test_pooled_scores_select_the_topk_of_the_pooled_mapper_scores(tmp_path, target):
-    """A checkpoint's pool_kernel lifts the mapper's scores to their neighbourhood's mean before the Top-K;
-    from_pretrained can override it."""
-    _, ckpt = make_checkpoint(tmp_path, "layers")
-    ckpt.pool_kernel = 9
-    path = save_checkpoint(ckpt, tmp_path / "pooled")
-    assert load_checkpoint(path).pool_kernel == 9
-    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
-    valid = inputs["attention_mask"].bool()
-    x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers)
-    scores = ckpt.mapper(x, attention_mask=inputs["attention_mask"])
-    from proxykv_hf.selection import select_topk, smooth_scores
-
-    kept = {}
-    for kernel in (None, 1):
-        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, pool_kernel=kernel, **FLOAT32)
-        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
-        kept[kernel] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
-        for layer in range(TARGET_LAYERS):
-            want = smooth_scores(scores[:, layer], valid, kernel or 9, keep_peaks=True)
-            idx, _ = select_topk(want, 0.5, valid, n_sink=4)
-            assert torch.equal(idx, kept[kernel][layer]), (kernel, layer)
-    assert any(not torch.equal(a, b) for a, b in zip(kept[None], kept[1]))  # pooling changed what is kept
-    with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
-        ProxyKVCache.from_pretrained(path, pool_kernel=4)
-    with pytest.raises(ValueError, match="pool_kernel must be a positive odd int"):
-        Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, pool_kernel=0)
-
-
-@pytest.mark.parametrize("kind", ["layers", "self"])
-def test_layer_mix_selects_the_topk_of_the_mixed_mapper_scores(tmp_path, target, kind):
-    """A checkpoint's layer_mix adds the running mean of the earlier layers' standardised scores before the Top-K,
-    for a background proxy and for the self proxy (scored layer by layer); from_pretrained can override it, and a
-    second prompt on a fresh cache starts the mean anew."""
-    from proxykv_hf.selection import LayerMixer, select_topk
-
-    _, ckpt = make_checkpoint(tmp_path, kind)
-    ckpt.layer_mix = 1.5
-    path = save_checkpoint(ckpt, tmp_path / "mixed")
-    assert load_checkpoint(path).layer_mix == 1.5
-    assert "`layer_mix`) | 1.5" in (path / "README.md").read_text()
-    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
-    valid = inputs["attention_mask"].bool()
-    x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers,
-                       statistics=ckpt.proxy.statistics)
-    scores = ckpt.mapper(x, attention_mask=inputs["attention_mask"])
-    kept = {}
-    template = None
-    for mix in (None, 0.0):
-        cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, layer_mix=mix, **FLOAT32)
-        template = template or cache
-        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
-        kept[mix] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
-        mixer = LayerMixer(1.5 if mix is None else mix)
-        for layer in range(TARGET_LAYERS):
-            idx, _ = select_topk(mixer(scores[:, layer], valid), 0.5, valid, n_sink=4)
-            assert torch.equal(idx, kept[mix][layer]), (mix, layer)
-    assert any(not torch.equal(a, b) for a, b in zip(kept[None], kept[0.0]))  # mixing changed what is kept
-    again = template.fresh()
-    target.generate(**inputs, past_key_values=again, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert all(torch.equal(again.layers[i].kept_positions, kept[None][i]) for i in range(TARGET_LAYERS))
-    with pytest.raises(ValueError, match="layer_mix must be a finite number >= 0"):
-        ProxyKVCache.from_pretrained(path, layer_mix=-1.0)
-    with pytest.raises(ValueError, match="layer_mix must be a finite number >= 0"):
-        Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, layer_mix=float("nan"))
-
-
 @pytest.mark.parametrize("kind", ["layers", "self"])
 def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, kind):
     """A mapper whose direct path reads earlier proxy layers (direct_context) keeps the Top-K of the scores its
@@ -175,41 +109,42 @@ def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, 
 
 
 @pytest.mark.parametrize("kind", ["layers", "self"])
-def test_combined_checkpoint_scores_each_layer_with_its_own_mapper(tmp_path, target, kind):
-    """``combine-mappers``: a checkpoint whose layers 0 and 2 are scored by another mapper keeps, in every layer,
-    what the checkpoint of that layer's mapper keeps alone (a background proxy, and the self proxy scored layer by
-    layer); it survives a save and load, weights included."""
-    from proxykv_hf.cli import main
-
+def test_checkpoint_of_two_mappers_scores_each_layer_with_its_own(tmp_path, target, kind):
+    """A checkpoint whose layers 0 and 2 are scored by another mapper (``layer_mappers``, as the bundled one) keeps,
+    in every layer, what the checkpoint of that layer's mapper keeps alone (a background proxy, and the self proxy
+    scored layer by layer); it survives a save and load, weights included, and works from memory too."""
     path_a, ckpt = make_checkpoint(tmp_path, kind, "a")
     torch.manual_seed(1)
-    ckpt.mapper = HybridAxialMapper(ckpt.mapper.config).eval()
-    path_b = save_checkpoint(ckpt, tmp_path / "b")
-    main(["combine-mappers", str(path_a), str(path_b), "--layers", "0", "2", "--out", str(tmp_path / "ab")])
+    other = HybridAxialMapper(ckpt.mapper.config).eval()
+    path_b = save_checkpoint(Checkpoint(mapper=other, proxy=ckpt.proxy, target=ckpt.target), tmp_path / "b")
+    two = Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, extra_mappers=[other],
+                     layer_mappers=[1, 0, 1, 0])
+    save_checkpoint(two, tmp_path / "ab")
     both = load_checkpoint(tmp_path / "ab")
-    assert both.layer_mappers == [1, 0, 1, 0]
-    assert both.training["combined"]["layers"] == [0, 2]
+    assert both.layer_mappers == [1, 0, 1, 0] and both.mapper_for(0) is both.extra_mappers[0]
     card = (tmp_path / "ab" / "README.md").read_text()
     assert "`layer_mappers`, 0 = the first) | [1, 0, 1, 0]" in card
     assert f"| mapper parameters | {sum(p.numel() for p in both.mapper.parameters()):,} each, 2 mappers |" in card
-    for mine, theirs in ((both.mapper, load_checkpoint(path_a).mapper), (both.extra_mappers[0], ckpt.mapper)):
+    for mine, theirs in ((both.mapper, ckpt.mapper), (both.extra_mappers[0], other)):
         for (name, a), b in zip(mine.state_dict().items(), theirs.state_dict().values()):
             assert torch.equal(a, b), name
     inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
     kept = {}
-    for name in ("a", "b", "ab"):
-        cache = ProxyKVCache.from_pretrained(tmp_path / name, keep_ratio=0.3, **FLOAT32)
+    for name, source in (("a", path_a), ("b", path_b), ("ab", tmp_path / "ab"), ("memory", two)):
+        cache = ProxyKVCache.from_pretrained(source, keep_ratio=0.3, **FLOAT32)
         target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
         kept[name] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
     for layer, source in enumerate("baba"):
         assert torch.equal(kept["ab"][layer], kept[source][layer]), layer
+        assert torch.equal(kept["memory"][layer], kept[source][layer]), layer
     assert not all(torch.equal(a, b) for a, b in zip(kept["a"], kept["b"]))  # the two mappers keep other tokens
-    # all layers from b: a's mapper stays first, unused
-    main(["combine-mappers", str(path_a), str(path_b), "--layers", "0", "1", "2", "3", "--out", str(tmp_path / "bb")])
+    # every layer from the second mapper: the first stays first, unused
+    save_checkpoint(Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, extra_mappers=[other],
+                               layer_mappers=[1, 1, 1, 1]), tmp_path / "bb")
     assert load_checkpoint(tmp_path / "bb").layer_mappers == [1, 1, 1, 1]
 
 
-def test_combined_checkpoint_errors(tmp_path):
+def test_checkpoint_of_several_mappers_errors(tmp_path):
     _, ckpt = make_checkpoint(tmp_path, "self")
     other = HybridAxialMapper(ckpt.mapper.config).eval()
     args = dict(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target)
@@ -224,94 +159,10 @@ def test_combined_checkpoint_errors(tmp_path):
     wider = HybridAxialMapper(MapperConfig.from_dict({**ckpt.mapper.config.to_dict(), "d_time": 16}))
     with pytest.raises(ValueError, match="extra mapper 1 has another config"):
         Checkpoint(**args, extra_mappers=[wider], layer_mappers=[0, 1, 1, 0])
-    from proxykv_hf.hub import combine_checkpoints
-
-    both = combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": other}), [3])
-    assert both.layer_mappers == [0, 0, 0, 1] and both.mapper_for(3) is other
+    both = Checkpoint(**args, extra_mappers=[other], layer_mappers=[0, 0, 0, 1])
+    assert both.mapper_for(3) is other and both.mapper_for(0) is ckpt.mapper
     with pytest.raises(ValueError, match="--init-from takes a checkpoint with one mapper"):
         both.only_mapper("--init-from")
-    with pytest.raises(ValueError, match="takes a checkpoint with one mapper"):
-        combine_checkpoints(ckpt, both, [0])
-    with pytest.raises(ValueError, match=r"layers must be a non-empty list of target layers in \[0, 4\)"):
-        combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": other}), [4])
-    with pytest.raises(ValueError, match="differ in their mapper config"):
-        combine_checkpoints(ckpt, Checkpoint(**{**args, "mapper": wider}), [0])
-
-
-def test_interpolated_checkpoint_averages_the_two_mappers_weights(tmp_path, target):
-    """``combine-mappers --weight W``: one mapper whose floating-point weights are ``(1 - W) * a + W * b``; at W = 0
-    and 1 it keeps exactly what ``a`` and ``b`` keep alone, and the card and config say what was averaged."""
-    from proxykv_hf.cli import main
-
-    path_a, ckpt = make_checkpoint(tmp_path, "self", "a")
-    torch.manual_seed(1)
-    ckpt.mapper = HybridAxialMapper(ckpt.mapper.config).eval()
-    path_b = save_checkpoint(ckpt, tmp_path / "b")
-    a, b = load_checkpoint(path_a).mapper.state_dict(), ckpt.mapper.state_dict()
-    for w in (0.0, 0.25, 1.0):
-        main(["combine-mappers", str(path_a), str(path_b), "--weight", str(w), "--out", str(tmp_path / f"w{w}")])
-        mixed = load_checkpoint(tmp_path / f"w{w}")
-        assert mixed.layer_mappers is None and mixed.extra_mappers == [] and mixed.metrics == {}
-        assert mixed.training["interpolated"]["weight"] == w
-        for name, v in mixed.mapper.state_dict().items():
-            want = (1 - w) * a[name] + w * b[name] if v.is_floating_point() else a[name]
-            assert torch.allclose(v, want, atol=1e-7), (w, name)
-    assert any(not torch.equal(a[k], b[k]) for k in a)
-    inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
-    kept = {}
-    for name in ("a", "b", "w0.0", "w1.0", "w0.25"):
-        cache = ProxyKVCache.from_pretrained(tmp_path / name, keep_ratio=0.3, **FLOAT32)
-        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
-        kept[name] = [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
-    assert all(torch.equal(x, y) for x, y in zip(kept["a"], kept["w0.0"]))
-    assert all(torch.equal(x, y) for x, y in zip(kept["b"], kept["w1.0"]))
-    assert "interpolated" in (tmp_path / "w0.25" / "README.md").read_text()
-
-
-def test_interpolated_checkpoint_errors(tmp_path):
-    from proxykv_hf.cli import main
-    from proxykv_hf.hub import combine_checkpoints, interpolate_checkpoints
-
-    path, ckpt = make_checkpoint(tmp_path, "self")
-    args = dict(proxy=ckpt.proxy, target=ckpt.target)
-    other = Checkpoint(mapper=HybridAxialMapper(ckpt.mapper.config).eval(), **args)
-    for w in (-0.1, 1.5):
-        with pytest.raises(ValueError, match=r"weight must lie in \[0, 1\]"):
-            interpolate_checkpoints(ckpt, other, w)
-    wider = HybridAxialMapper(MapperConfig.from_dict({**ckpt.mapper.config.to_dict(), "d_time": 16}))
-    with pytest.raises(ValueError, match="differ in their mapper config"):
-        interpolate_checkpoints(ckpt, Checkpoint(mapper=wider, **args), 0.5)
-    with pytest.raises(ValueError, match="takes a checkpoint with one mapper"):
-        interpolate_checkpoints(combine_checkpoints(ckpt, other, [0]), other, 0.5)
-    with pytest.raises(SystemExit):  # --layers and --weight are one or the other
-        main(["combine-mappers", str(path), str(path), "--layers", "0", "--weight", "0.5", "--out", str(tmp_path / "x")])
-    with pytest.raises(SystemExit, match="combine-mappers: weight must lie"):
-        main(["combine-mappers", str(path), str(path), "--weight", "2", "--out", str(tmp_path / "x")])
-
-
-def test_global_norm_layer_standardises_each_layer_over_its_real_tokens(tmp_path):
-    """``global_norm="layer"`` puts every layer's scores on one scale (mean 0, spread 1 over all its heads' real
-    tokens, per row) before the global ranking; ``"none"`` passes them through; padding does not move the moments;
-    another value is refused."""
-    from proxykv_hf.scorers.proxy import ProxyScorer
-
-    _, ckpt = make_checkpoint(tmp_path, "self")
-    valid = torch.ones(2, 12, dtype=torch.bool)
-    valid[1, :5] = False  # left padding
-    gen = torch.Generator().manual_seed(0)
-    scores = {0: torch.randn(2, 2, 12, generator=gen) * 7 + 3, 1: torch.randn(2, 2, 12, generator=gen) * 0.1 - 9}
-    scores[1][1, :, :5] = 1e6  # what padding holds must not matter
-    assert ProxyScorer(ckpt).global_scores(scores, valid) is scores
-    normed = ProxyScorer(ckpt, global_norm="layer").global_scores(scores, valid)
-    for i, s in normed.items():
-        for b in range(2):
-            real = s[b][:, valid[b]]
-            assert abs(real.mean().item()) < 1e-4, (i, b)
-            assert real.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-3), (i, b)
-            ranks = scores[i][b][:, valid[b]].flatten().argsort()
-            assert torch.equal(real.flatten().argsort(), ranks)  # an affine map per (layer, row): order kept
-    with pytest.raises(ValueError, match="global_norm must be one of"):
-        ProxyScorer(ckpt, global_norm="head")
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -321,13 +172,42 @@ def test_checkpoint_round_trip(tmp_path):
     for (k, a), (_, b) in zip(ckpt.mapper.state_dict().items(), loaded.mapper.state_dict().items()):
         assert torch.equal(a, b), k
     assert loaded.proxy == ckpt.proxy and loaded.target == ckpt.target
-    assert loaded.pool_kernel == 1  # the default, also for configs written before pool_kernel existed
-    config = (path / "proxykv_config.json").read_text().replace('"pool_kernel": 1,', "")
-    assert "pool_kernel" not in config
-    (path / "proxykv_config.json").write_text(config)
-    assert load_checkpoint(path).pool_kernel == 1
-    assert load_checkpoint(path).layer_mix == 0.0  # likewise for configs written before layer_mix existed
     assert "tiny-llama" in (path / "README.md").read_text()
+    config = json.loads((path / "proxykv_config.json").read_text())
+    assert not {"pool_kernel", "layer_mix"} & set(config) and "conv_stem" not in config["mapper"]
+
+
+def test_removed_options_load_at_their_neutral_values_only(tmp_path):
+    """A checkpoint written while the removed options existed (the bundled one's ``pool_kernel`` 1, ``layer_mix``
+    0 and mapper switches) loads; one that asks for what they did when on is refused, naming the field."""
+    path, ckpt = make_checkpoint(tmp_path, "self")
+    config_file = path / "proxykv_config.json"
+    config = json.loads(config_file.read_text())
+    old = {**config, "pool_kernel": 1, "layer_mix": 0.0,
+           "mapper": {**config["mapper"], "conv_stem": True, "time_encoder": "transformer", "head_stage": True,
+                      "layer_embedding": False}}
+    config_file.write_text(json.dumps(old))
+    loaded = load_checkpoint(path)
+    assert loaded.mapper.config == ckpt.mapper.config
+    for (k, a), b in zip(ckpt.mapper.state_dict().items(), loaded.mapper.state_dict().values()):
+        assert torch.equal(a, b), k
+    config_file.write_text(json.dumps({**old, "layer_mix": 0}))  # 0 and 0.0 are the same weight
+    load_checkpoint(path)
+    refused = [({**old, "pool_kernel": 9}, "pool_kernel"), ({**old, "layer_mix": 1.0}, "layer_mix"),
+               *(({**old, "mapper": {**old["mapper"], name: value}}, name)
+                 for name, value in (("conv_stem", False), ("time_encoder", "meanpool"), ("head_stage", False),
+                                     ("layer_embedding", True)))]
+    for bad, name in refused:
+        config_file.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"proxykv_config.json is malformed.*'{name}' was removed"):
+            load_checkpoint(path)
+    with pytest.raises(TypeError):  # no longer settings of the checkpoint or the scorer
+        Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target, pool_kernel=1)
+    from proxykv_hf.scorers.proxy import ProxyScorer
+
+    for name, value in (("pool_kernel", 1), ("layer_mix", 0.0), ("global_norm", "none")):
+        with pytest.raises(TypeError, match=name):
+            ProxyScorer(ckpt, **{name: value})
 
 
 def test_offline_hub_cache_layout(tmp_path, target, monkeypatch):

@@ -1,6 +1,6 @@
-"""``save_pretrained`` / ``push_to_hub`` on ProxyScorer and ProxyKVCache: a scorer whose selection settings were
-changed (``pool_kernel``, ``layer_mix``) or whose checkpoint combines mappers is published as a checkpoint that
-``from_pretrained`` loads with the same behaviour, from a local directory and from an HF-cache layout (offline)."""
+"""``save_pretrained`` / ``push_to_hub`` on ProxyScorer and ProxyKVCache: a scorer (also one whose layers are scored by
+several mappers) is published as a checkpoint that ``from_pretrained`` loads with the same behaviour, from a local
+directory and from an HF-cache layout (offline)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyScorer, SnapKVScorer
-from proxykv_hf.hub import CONFIG_NAME, WEIGHTS_NAME, combine_checkpoints
+from proxykv_hf.hub import CONFIG_NAME, WEIGHTS_NAME, Checkpoint
 from proxykv_hf.pipeline import compress_context
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
@@ -20,12 +20,20 @@ from test_contexts import self_proxy_scorer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-TUNED = dict(pool_kernel=5, layer_mix=0.5)
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama")
+
+
+def trained_scorer(model) -> ProxyScorer:
+    """A self-proxy scorer whose mapper's weights differ from the random start's (as a trained one's do)."""
+    scorer = self_proxy_scorer(model)
+    torch.manual_seed(2)
+    for p in scorer.mapper.parameters():
+        p.data.normal_(0, 0.2)
+    return scorer
 
 
 def kept(model, scorer, budget: str = "uniform") -> dict:
@@ -35,23 +43,20 @@ def kept(model, scorer, budget: str = "uniform") -> dict:
     return {i: [[h.tolist() for h in row] for row in rows] for i, rows in cache.kept_sets().items()}
 
 
-def test_a_tuned_scorer_saved_and_loaded_keeps_the_same_entries(model, tmp_path):
-    tuned = self_proxy_scorer(model, **TUNED)
-    assert kept(model, tuned) != kept(model, self_proxy_scorer(model))  # the settings change what is kept
+def test_a_scorer_saved_and_loaded_keeps_the_same_entries(model, tmp_path):
+    tuned = trained_scorer(model)
+    assert kept(model, tuned) != kept(model, self_proxy_scorer(model))  # the weights change what is kept
     tuned.save_pretrained(tmp_path / "mapper")
-    config = json.loads((tmp_path / "mapper" / CONFIG_NAME).read_text())
-    assert (config["pool_kernel"], config["layer_mix"]) == (5, 0.5)
     again = ProxyScorer.from_pretrained(str(tmp_path / "mapper"), mapper_autocast=False)
-    assert (again.pool_kernel, again.layer_mix) == (5, 0.5)
     for budget in ("uniform", "global"):
         assert kept(model, again, budget) == kept(model, tuned, budget)
     assert again.settings()["checkpoint"] == tuned.settings()["checkpoint"]
 
 
 def test_the_cache_forwards_to_its_scorer(model, tmp_path):
-    ProxyKVCache(self_proxy_scorer(model, **TUNED), 0.3).save_pretrained(tmp_path / "mapper")
+    ProxyKVCache(trained_scorer(model), 0.3).save_pretrained(tmp_path / "mapper")
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "mapper"), 0.3, mapper_autocast=False)
-    assert kept(model, cache.scorer) == kept(model, self_proxy_scorer(model, **TUNED))
+    assert kept(model, cache.scorer) == kept(model, trained_scorer(model))
     for scorer in (SnapKVScorer(), KVzipScorer(tiny_tokenizer())):
         with pytest.raises(ValueError, match=f"{type(scorer).__name__} has no checkpoint to save"):
             ProxyKVCache(scorer, 0.3).save_pretrained(tmp_path / "none")
@@ -59,24 +64,21 @@ def test_the_cache_forwards_to_its_scorer(model, tmp_path):
         ProxyKVCache(SnapKVScorer(), 0.3).push_to_hub("me/none")
 
 
-def test_a_combined_checkpoint_round_trips(model, tmp_path):
+def test_a_checkpoint_of_two_mappers_round_trips(model, tmp_path):
     base = self_proxy_scorer(model).checkpoint
-    other = self_proxy_scorer(model).checkpoint
-    torch.manual_seed(1)
-    for p in other.mapper.parameters():
-        p.data.normal_(0, 0.2)
-    combined = ProxyScorer(combine_checkpoints(base, other, [1]), mapper_autocast=False, layer_mix=0.25)
+    other = trained_scorer(model).mapper
+    combined = ProxyScorer(Checkpoint(mapper=base.mapper, proxy=base.proxy, target=base.target,
+                                      extra_mappers=[other], layer_mappers=[0, 1, 0]), mapper_autocast=False)
     combined.save_pretrained(tmp_path / "combined")
     again = ProxyScorer.from_pretrained(str(tmp_path / "combined"), mapper_autocast=False)
-    assert again.checkpoint.layer_mappers == [0, 1, 0] and again.layer_mix == 0.25
-    assert kept(model, again) == kept(model, combined) != kept(model, ProxyScorer(base, mapper_autocast=False,
-                                                                                  layer_mix=0.25))
+    assert again.checkpoint.layer_mappers == [0, 1, 0]
+    assert kept(model, again) == kept(model, combined) != kept(model, ProxyScorer(base, mapper_autocast=False))
     assert again.settings() == combined.settings()
     assert again.settings()["checkpoint"]["weights"] != self_proxy_scorer(model).settings()["checkpoint"]["weights"]
 
 
 def test_loads_from_an_hf_cache_layout_offline(model, tmp_path):
-    tuned = self_proxy_scorer(model, **TUNED)
+    tuned = trained_scorer(model)
     tuned.save_pretrained(tmp_path / "saved")
     revision = "0123456789abcdef0123456789abcdef01234567"
     repo = tmp_path / "hub" / "models--me--tiny-mapper"
@@ -106,14 +108,14 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(model, monkeypatch):
             return f"https://huggingface.co/{repo_id}/commit/1"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    url = ProxyKVCache(self_proxy_scorer(model, **TUNED), 0.3).push_to_hub("me/tuned", private=True, token="t")
+    url = ProxyKVCache(trained_scorer(model), 0.3).push_to_hub("me/tuned", private=True, token="t")
     assert url.endswith("me/tuned/commit/1") and calls["repo"] == ("me/tuned", True) and calls["token"] == "t"
-    assert WEIGHTS_NAME in calls["files"] and calls["config"]["pool_kernel"] == 5
+    assert WEIGHTS_NAME in calls["files"] and calls["config"]["layer_mappers"] is None
 
 
 def test_settings_are_json_and_tell_scorers_apart(model):
     scorers = [SnapKVScorer(), SnapKVScorer(window=8), KVzipScorer(tiny_tokenizer(), chunk_size=16),
-               self_proxy_scorer(model), self_proxy_scorer(model, pool_kernel=3)]
+               self_proxy_scorer(model), self_proxy_scorer(model, n_sink=8), trained_scorer(model)]
     settings = [json.dumps(s.settings(), sort_keys=True) for s in scorers]
     assert len(set(settings)) == len(scorers)
     assert "tokenizer" not in scorers[2].settings() and scorers[1].settings()["window"] == 8

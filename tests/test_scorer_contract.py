@@ -20,9 +20,9 @@ GEN = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup():
     model = tiny_model("llama", num_hidden_layers=4)
-    mapper = tiny_mapper_checkpoint(model, str(tmp_path_factory.mktemp("mapper")))
+    mapper = tiny_mapper_checkpoint(model)  # in memory: the registry takes a Checkpoint
     return model, ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=mapper, kvzip_chunk=16)
 
 

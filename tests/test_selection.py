@@ -111,41 +111,6 @@ def test_smooth_scores_pads_like_alone_and_checks_kernel():
             smooth_scores(scores, torch.ones(1, 9, dtype=torch.bool), bad)
 
 
-def test_layer_mixer_adds_the_running_mean_of_standardised_layers_and_pads_like_alone():
-    from proxykv_hf.selection import LayerMixer, standardise
-
-    torch.manual_seed(0)
-    layers = [torch.randn(1, 3, 9) * (i + 1) + i for i in range(4)]
-    ones = torch.ones(1, 9, dtype=torch.bool)
-    mixer = LayerMixer(2.0)
-    z = [standardise(s, ones) for s in layers]
-    for i, s in enumerate(layers):
-        want = z[i] + 2.0 * torch.stack([zz.mean(1, keepdim=True) for zz in z[:i + 1]]).mean(0)
-        mean, std = s.mean(-1, keepdim=True), s.std(-1, unbiased=False, keepdim=True)
-        torch.testing.assert_close(mixer(s, ones), mean + std * want)  # each head's own scale, mixed ranking
-        if i == 0:
-            torch.testing.assert_close(LayerMixer(2.0)(s, ones).argsort(-1), want.argsort(-1))
-    assert torch.allclose(z[0].mean(-1), torch.zeros(1, 3), atol=1e-6)
-    assert torch.allclose(z[0].std(-1, unbiased=False), torch.ones(1, 3), atol=1e-5)
-    # a padded row mixes as it would alone; padding positions may hold anything
-    padded_mixer, alone_mixer = LayerMixer(1.0), LayerMixer(1.0)
-    valid = torch.tensor([[False] * 3 + [True] * 9])
-    for s in layers:
-        padded = torch.cat([torch.full((1, 3, 3), 1e4), s], dim=-1)
-        out = padded_mixer(padded, valid)
-        torch.testing.assert_close(out[..., 3:], alone_mixer(s, ones))
-        assert torch.equal(out[..., :3], padded[..., :3])  # padding keeps its scores
-    # off: the scores as they are; a new prompt needs reset()
-    assert LayerMixer(0).__call__(layers[0], ones) is layers[0]
-    with pytest.raises(ValueError, match="reset"):
-        alone_mixer(torch.randn(1, 3, 5), torch.ones(1, 5, dtype=torch.bool))
-    alone_mixer.reset()
-    torch.testing.assert_close(alone_mixer(layers[0], ones), LayerMixer(1.0)(layers[0], ones))
-    for bad in (-0.5, float("nan"), float("inf"), True, "1"):
-        with pytest.raises(ValueError, match="layer_mix must be a finite number >= 0"):
-            LayerMixer(bad)
-
-
 @pytest.mark.parametrize("make", [
     lambda: np.float32(0.3), lambda: np.float16(0.3), lambda: np.float64(0.3), lambda: torch.tensor(0.3),
     lambda: torch.tensor(0.3, dtype=torch.float16), lambda: torch.tensor(0.3, dtype=torch.bfloat16),

@@ -312,8 +312,8 @@ def test_layers_per_step_trains_on_a_random_subset(self_data, tmp_path, monkeypa
 
 def test_target_layers_train_and_validate_on_those_layers_alone(self_data, tmp_path, monkeypatch):
     """``target_layers``: every training step draws among those layers only, validation scores them alone, and a
-    combined checkpoint cannot be the start of a run."""
-    from proxykv_hf.hub import combine_checkpoints, save_checkpoint
+    checkpoint of several mappers cannot be the start of a run."""
+    from proxykv_hf.hub import Checkpoint, save_checkpoint
 
     mcfg = mapper_config_for(self_data, "tiny")
     assert mcfg.num_target_layers >= 3
@@ -338,7 +338,9 @@ def test_target_layers_train_and_validate_on_those_layers_alone(self_data, tmp_p
         fast_train(target_layers=[])
     with pytest.raises(ValueError, match=f"the mapper scores {mcfg.num_target_layers} target layers"):
         train_mapper(self_data, tmp_path / "b", mcfg, fast_train(max_steps=1, target_layers=[mcfg.num_target_layers]))
-    both = save_checkpoint(combine_checkpoints(ckpt, ckpt, [1]), tmp_path / "both")
+    choice = [0, 1] + [0] * (mcfg.num_target_layers - 2)
+    both = save_checkpoint(Checkpoint(mapper=ckpt.mapper, proxy=ckpt.proxy, target=ckpt.target,
+                                      extra_mappers=[ckpt.mapper], layer_mappers=choice), tmp_path / "both")
     with pytest.raises(ValueError, match="--init-from takes a checkpoint with one mapper"):
         train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, init_from=str(both)))
 
@@ -355,133 +357,27 @@ def test_init_from_starts_at_a_checkpoints_weights(self_data, tmp_path):
     with pytest.raises(ValueError, match="another mapper config"):
         train_mapper(self_data, tmp_path / "d", mapper_config_for(self_data, "tiny", d_time=16),
                      fast_train(max_steps=1, init_from=str(tmp_path / "a")))
+    for wider in (dict(direct_path=True), dict(direct_path=True, direct_context=1)):  # no widening: equal configs
+        with pytest.raises(ValueError, match="another mapper config.*direct_path"):
+            train_mapper(self_data, tmp_path / "e", mapper_config_for(self_data, "tiny", **wider),
+                         fast_train(max_steps=1, init_from=str(tmp_path / "a")))
 
-
-
-def test_init_from_may_switch_on_the_direct_path(self_data, tmp_path):
-    mcfg = mapper_config_for(self_data, "tiny")
-    first = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=2))
-    direct_cfg = mapper_config_for(self_data, "tiny", direct_path=True)
-    again = train_mapper(self_data, tmp_path / "b", direct_cfg,
-                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
-    start = dict(first.mapper.named_parameters())
-    for name, p in again.mapper.named_parameters():
-        if name.startswith("direct."):
-            assert not p.any(), name  # the new path keeps its no-op init
-        else:
-            torch.testing.assert_close(p, start[name], msg=name)
-    with pytest.raises(ValueError, match="another mapper config"):  # the other way round drops parameters
-        train_mapper(self_data, tmp_path / "c", mcfg, fast_train(max_steps=1, init_from=str(tmp_path / "b")))
-
-
-def test_init_from_may_switch_on_a_layer_embedding_that_starts_at_zero(self_data, tmp_path):
-    from proxykv_hf.train.loop import param_groups
-    from proxykv_hf.train.mapper_init import init_mapper_from
-
-    mcfg = mapper_config_for(self_data, "tiny", direct_path=True)
-    first = train_mapper(self_data, tmp_path / "a", mcfg, fast_train(max_steps=2))
-    emb_cfg = mapper_config_for(self_data, "tiny", direct_path=True, layer_embedding=True)
-    again = train_mapper(self_data, tmp_path / "b", emb_cfg,
-                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
-    assert again.mapper.layer_embedding is not None and not again.mapper.layer_embedding.weight.any()
-    widened = HybridAxialMapper(emb_cfg)  # (a training step moves BatchNorm's statistics even at lr 0)
-    init_mapper_from(widened, first.mapper)
-    x = torch.rand(1, mcfg.num_proxy_layers, mcfg.num_features, 40)
-    first.mapper.eval(), widened.eval()
-    torch.testing.assert_close(widened(x), first.mapper(x))  # a zero embedding: the scores it started from
-    groups = param_groups(again.mapper, fast_train(lr=1e-3, direct_path_lr_mult=50.0, layer_embedding_lr_mult=20.0))
-    assert [g.get("lr") for g in groups] == [None, pytest.approx(0.05), pytest.approx(0.02)]
-    assert [id(p) for p in groups[2]["params"]] == [id(again.mapper.layer_embedding.weight)]
-    moved = train_mapper(self_data, tmp_path / "c", emb_cfg,
-                         fast_train(max_steps=3, init_from=str(tmp_path / "a"), layer_embedding_lr_mult=20.0))
-    assert moved.mapper.layer_embedding.weight.any()  # it trains from zero
-    with pytest.raises(ValueError, match="layer_embedding_lr_mult"):
-        fast_train(layer_embedding_lr_mult=-1.0)
-
-
-def test_refit_direct_path_moves_only_the_direct_path_and_keeps_the_best_epoch(self_data, tmp_path):
-    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
-    from proxykv_hf.train.evaluate import evaluate_mapper
-
-    trained = train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
-                           fast_train(max_steps=2))
-    cfg = DirectFitConfig(epochs=4, lr=5e-2, val_fraction=0.3, progress=False)
-    refit = refit_direct_path(tmp_path / "a", self_data, tmp_path / "r", cfg)
-    before = dict(trained.mapper.named_parameters())
-    moved = False
-    for name, p in refit.mapper.named_parameters():
-        if name.startswith("direct."):
-            moved |= not torch.equal(p, before[name])
-        else:
-            torch.testing.assert_close(p, before[name], msg=name)
-    info = refit.training["direct_refit"]
-    log = [json.loads(line) for line in (tmp_path / "r" / "refit_log.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in log] == list(range(5)) and 0 <= info["best_epoch"] <= 4
-    best = min(log, key=lambda r: r["val_loss"])
-    assert info["best_epoch"] == best["epoch"] and moved == (best["epoch"] > 0)
-    assert info["val_loss_after"] <= info["val_loss_before"]
-    # the cached path computes what the mapper computes: the kept epoch's metrics equal a fresh evaluation
-    _, val_set = split_dataset(MapperDataset(self_data), 0.3, 0)
-    fresh = evaluate_mapper(refit.mapper, val_set, cfg.eval_ratios, cfg.loss, batch_size=cfg.batch_size)
-    assert fresh["loss"] == pytest.approx(info["val_loss_after"], rel=1e-4)
-    assert refit.training["steps"] == trained.training["steps"]  # the training record is kept, the refit added
-
-
-def test_refit_direct_path_can_widen_it_to_earlier_layers(self_data, tmp_path):
-    """refit-direct with direct_context: the widened mapper starts as the checkpoint (new weights at zero), the
-    cached refit computes what the widened mapper computes, and --init-from widens the same way in training."""
-    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
-    from proxykv_hf.train.evaluate import evaluate_mapper
-
-    trained = train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
-                           fast_train(max_steps=2))
-    cfg = DirectFitConfig(epochs=3, lr=5e-2, val_fraction=0.3, progress=False, direct_context=1)
-    refit = refit_direct_path(tmp_path / "a", self_data, tmp_path / "r", cfg)
-    assert refit.mapper.config.direct_context == 1
-    info = refit.training["direct_refit"]
-    _, val_set = split_dataset(MapperDataset(self_data), 0.3, 0)
-    start = evaluate_mapper(trained.mapper, val_set, cfg.eval_ratios, cfg.loss, batch_size=cfg.batch_size)
-    assert start["loss"] == pytest.approx(info["val_loss_before"], rel=1e-4)
-    fresh = evaluate_mapper(refit.mapper, val_set, cfg.eval_ratios, cfg.loss, batch_size=cfg.batch_size)
-    assert fresh["loss"] == pytest.approx(info["val_loss_after"], rel=1e-4)
-    if info["best_epoch"] > 0:
-        assert refit.mapper.direct.weight[..., trained.mapper.num_features:].abs().sum() > 0  # the context is used
-    with pytest.raises(ValueError, match="widen the direct path, not narrow it"):
-        refit_direct_path(tmp_path / "r", self_data, tmp_path / "r2",
-                          DirectFitConfig(epochs=1, progress=False, direct_context=0))
-    wide_cfg = mapper_config_for(self_data, "tiny", direct_path=True, direct_context=1)
-    again = train_mapper(self_data, tmp_path / "b", wide_cfg,
-                         fast_train(max_steps=1, lr=0.0, init_from=str(tmp_path / "a")))
-    f = trained.mapper.num_features
-    torch.testing.assert_close(again.mapper.direct.weight[..., :f], trained.mapper.direct.weight)
-    assert not again.mapper.direct.weight[..., f:].any()
-    with pytest.raises(ValueError, match="direct_context must be None or an int >= 0"):
-        DirectFitConfig(direct_context=-1)
-
-
-def test_refit_direct_path_rejects_a_mapper_without_one(self_data, tmp_path):
-    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
-
-    train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny"), fast_train(max_steps=1))
-    with pytest.raises(ValueError, match="no direct path"):
-        refit_direct_path(tmp_path / "a", self_data, tmp_path / "r", DirectFitConfig(epochs=1, progress=False))
-    with pytest.raises(ValueError, match="lr"):
-        DirectFitConfig(lr=0.0)
-
-
-def test_direct_path_lr_mult_sets_its_own_param_group(self_data, tmp_path):
+def test_the_direct_path_trains_at_its_own_learning_rate(self_data, tmp_path):
+    """The direct path's parameter group runs at 50 times the learning rate (what the bundled mapper was trained
+    with); the rest at the learning rate."""
     from proxykv_hf.train.loop import param_groups
 
     mapper = HybridAxialMapper(mapper_config_for(self_data, "tiny", direct_path=True))
-    groups = param_groups(mapper, fast_train(lr=1e-3, direct_path_lr_mult=50.0))
+    groups = param_groups(mapper, fast_train(lr=1e-3))
     assert len(groups) == 2 and groups[1]["lr"] == pytest.approx(0.05)
     assert {id(p) for p in groups[1]["params"]} == {id(mapper.direct.weight), id(mapper.direct.bias)}
     assert len(param_groups(HybridAxialMapper(mapper_config_for(self_data, "tiny")), fast_train())) == 1
     ckpt = train_mapper(self_data, tmp_path / "d", mapper_config_for(self_data, "tiny", direct_path=True),
-                        fast_train(max_steps=3, direct_path_lr_mult=50.0))
+                        fast_train(max_steps=3))
     assert ckpt.mapper.config.direct_path and ckpt.mapper.direct.weight.abs().sum() > 0
-    with pytest.raises(ValueError, match="direct_path_lr_mult"):
-        fast_train(direct_path_lr_mult=-1.0)
+    for removed in ("direct_path_lr_mult", "layer_embedding_lr_mult"):
+        with pytest.raises(TypeError, match=removed):
+            fast_train(**{removed: 50.0})
 
 # ------------------------------------------------------------------------------------------------ sources, oracle
 def test_texts_from_files(tmp_path):
@@ -597,12 +493,11 @@ def test_plot_training_without_matplotlib_warns(tmp_path, monkeypatch, caplog):
 
 
 # ------------------------------------------------------------------------------------------------ max statistic
-def test_max_statistic_data_reuses_scores_and_widens_a_mapper(self_data, tmp_path, target, tok, texts):
-    """Features with the max beside the sum: built without another oracle pass, trained from a sum-only mapper
-    (which it starts out equal to), loaded and used for generation."""
-    from proxykv_hf.hub import Checkpoint, save_checkpoint
+def test_max_statistic_data_reuses_scores(self_data, tmp_path, target, tok, texts):
+    """Features with the max beside the sum: built without another oracle pass, trained on, loaded and used for
+    generation; a sum-only mapper cannot start such a run."""
+    from proxykv_hf.hub import Checkpoint
     from proxykv_hf.proxy import ProxySpec
-    from proxykv_hf.train.loop import init_mapper_from
 
     cfg = data_config(proxy_kind="self", proxy_statistics=["sum", "max"])
     m = build_dataset(texts, target, tok, tmp_path / "data", cfg, oracle=CountingOracle(fail_at=1),
@@ -618,25 +513,14 @@ def test_max_statistic_data_reuses_scores_and_widens_a_mapper(self_data, tmp_pat
     torch.testing.assert_close(x_new[:, :, :H], x_old)  # the sums come first
     assert x_new[:, :, H:].max() <= 1 and x_new[:, :, H:].max() > 0.1  # probabilities
 
-    first = train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
-                         fast_train(max_steps=2))
-    with torch.no_grad():
-        first.mapper.direct.weight.normal_()  # so that the direct path's widening is exercised too
-    save_checkpoint(first, tmp_path / "a")
+    train_mapper(self_data, tmp_path / "a", mapper_config_for(self_data, "tiny", direct_path=True),
+                 fast_train(max_steps=1))
     mcfg = mapper_config_for(tmp_path / "data", "tiny", direct_path=True)
     assert mcfg.input_transform == "log1p,log" and mapper_config_for(self_data, "tiny").input_transform == "log1p"
     assert mcfg.num_statistics == 2 and mcfg.num_features == 2 * H
-    start = HybridAxialMapper(mcfg)
-    init_mapper_from(start, first.mapper)
-    x = x_new[:2].float()  # (2, L, 2H, C)
-    with torch.no_grad():  # the widened mapper computes what the sum-only one did
-        torch.testing.assert_close(start.eval()(x), first.mapper.eval()(x[:, :, :H]))
-    wide = train_mapper(tmp_path / "data", tmp_path / "b", mcfg,
-                        fast_train(max_steps=2, init_from=str(tmp_path / "a")))
-    assert wide.mapper.stem.conv1.weight[:, H:].abs().sum() > 0  # the max's weights trained away from zero
-    with pytest.raises(ValueError, match="another mapper config"):  # narrowing would drop the max's weights
-        train_mapper(self_data, tmp_path / "c", mapper_config_for(self_data, "tiny", direct_path=True),
-                     fast_train(max_steps=1, init_from=str(tmp_path / "b")))
+    with pytest.raises(ValueError, match="another mapper config"):  # no widening of a sum-only mapper
+        train_mapper(tmp_path / "data", tmp_path / "x", mcfg, fast_train(max_steps=1, init_from=str(tmp_path / "a")))
+    wide = train_mapper(tmp_path / "data", tmp_path / "b", mcfg, fast_train(max_steps=2))
 
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "b"), keep_ratio=0.3)
     enc = tok([texts[0]], return_tensors="pt")
@@ -687,9 +571,7 @@ def test_training_on_a_subset_of_the_statistics(self_data, tmp_path, target, tok
 def test_training_on_a_subset_of_a_self_proxys_layers(self_data, tmp_path, target, tok, texts):
     """A self proxy's dataset read on layers 0 and 2 of its four gives exactly those feature rows; a mapper trained
     on them, starting from an all-layer mapper's weights, records the layers as its proxy's and compacts a prompt;
-    the direct-path refit reads the same layers; other datasets and layer lists that would read a later layer are
-    refused."""
-    from proxykv_hf.train.direct_fit import DirectFitConfig, refit_direct_path
+    other datasets and layer lists that would read a later layer are refused."""
 
     full, half = MapperDataset(self_data), MapperDataset(self_data, proxy_layers=[0, 2])
     for i in (0, len(full) - 1):
@@ -715,9 +597,6 @@ def test_training_on_a_subset_of_a_self_proxys_layers(self_data, tmp_path, targe
     assert not torch.equal(ckpt.mapper.stem.conv1.weight, start.mapper.stem.conv1.weight)  # it trained on
     with pytest.raises(ValueError, match="proxy layers"):  # resuming that run on other layers
         train_mapper(self_data, tmp_path / "half", mcfg, fast_train(max_steps=3, proxy_layers=[0, 1]))
-    refit = refit_direct_path(tmp_path / "half", self_data, tmp_path / "refit", DirectFitConfig(epochs=1,
-                                                                                                progress=False))
-    assert refit.proxy.layers == [0, 2]
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "half"), keep_ratio=0.3)
     enc = tok([texts[0]], return_tensors="pt")
     target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -736,24 +615,3 @@ def test_resume_accepts_a_manifest_written_before_statistics(tmp_path, target, t
     with pytest.raises(ValueError, match="proxy"):  # other statistics are another dataset
         build_dataset(texts, target, tok, tmp_path, data_config(proxy_kind="self", proxy_statistics=["max"]),
                       oracle=fake_oracle, progress=False)
-
-
-def test_a_sum_max_mapper_widens_to_the_lookback_statistic():
-    """A mapper that reads (sum, max) starts a (sum, max, lookback) mapper that computes the same scores: the
-    lookback's rows (its own transform) start at zero weight; a transform list that does not extend the old one
-    is refused."""
-    from proxykv_hf.train.loop import init_mapper_from
-
-    torch.manual_seed(0)
-    two = HybridAxialMapper(MapperConfig.tiny(num_statistics=2, input_transform="log1p,log", direct_path=True))
-    with torch.no_grad():
-        for p in two.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    three = HybridAxialMapper(MapperConfig.tiny(num_statistics=3, input_transform="log1p,log,log", direct_path=True))
-    init_mapper_from(three, two)
-    x = torch.rand(2, 2, 6, 50)  # (B, L_s, 3 * H_s, N)
-    with torch.no_grad():
-        torch.testing.assert_close(three.eval()(x), two.eval()(x[:, :, :4]))
-    other = HybridAxialMapper(MapperConfig.tiny(num_statistics=3, input_transform="log,log1p,log", direct_path=True))
-    with pytest.raises(ValueError, match="another mapper config"):
-        init_mapper_from(other, two)

@@ -143,22 +143,19 @@ def test_generate_refuses_bad_values_when_reading_the_command_line(capsys, extra
     assert last.startswith("proxykv generate: error: ") and all(w in last for w in words), last
 
 
-def test_combine_mappers_user_errors(tmp_path, capsys):
-    out = tmp_path / "out"
-    code, err = _exit(["combine-mappers", "/nonexistent/a", "/nonexistent/b", "--weight", "0.5", "--out", str(out)],
-                      capsys)
-    assert code == 2 and "/nonexistent/a" in err.strip().splitlines()[-1]
+def test_output_and_input_directory_user_errors(tmp_path, capsys):
     existing = tmp_path / "file"
     existing.write_text("x")
-    code, err = _exit(["combine-mappers", str(BUNDLED), str(BUNDLED), "--weight", "0.5", "--out", str(existing)],
-                      capsys)
-    assert code == 2 and "existing file" in err and str(existing) in err
-    # a value only the library checks: one line naming the command, status 2
-    with pytest.raises(SystemExit, match="weight must lie") as info:
-        main(["combine-mappers", str(BUNDLED), str(BUNDLED), "--weight", "2", "--out", str(out)])
+    for command in (["eval", "--tiny"], ["bench", "--tiny"]):
+        code, err = _exit([*command, "--out", str(existing)], capsys)
+        assert code == 2 and "existing file" in err and str(existing) in err
+    # a value only the library checks: one line naming the command, status 2, nothing written
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="is not a ProxyKV dataset") as info:
+        main(["train", "--data", "/nonexistent/data", "--out", str(out)])
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "proxykv combine-mappers: error: weight must lie in [0, 1] (0 = base, 1 = other), got 2.0"]
+        "proxykv train: error: /nonexistent/data is not a ProxyKV dataset: no manifest.json"]
     assert not out.exists()
 
 
@@ -185,12 +182,11 @@ def test_only_user_errors_become_exits(monkeypatch, capsys):
 def test_no_traceback_from_the_console_entry_point(tmp_path):
     """The real process: one stderr line and status 2 for an error found after parsing."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "proxykv_hf.cli", "combine-mappers", str(BUNDLED), str(BUNDLED),
-                           "--weight", "1.5", "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-m", "proxykv_hf.cli", "train", "--data", "/nonexistent/data", "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "proxykv combine-mappers: error: weight must lie in [0, 1] (0 = base, 1 = other), got 1.5"]
+        "proxykv train: error: /nonexistent/data is not a ProxyKV dataset: no manifest.json"]
 
 
 def test_tiny_honours_dtype_and_device():

@@ -13,7 +13,6 @@ import json
 import logging
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -25,19 +24,18 @@ from .run import Bench, BenchConfig, plot, summary_json, table
 logger = logging.getLogger(__name__)
 
 
-def _scorers(ns, model, tok, tmp: str):
+def _scorers(ns, model, tok):
     """name -> scorer (None for the full cache), plus the model the ProxyKV scorer's features come from (for its
     breakdown; None without ProxyKV)."""
     from ..scorers import ProxyScorer, ScorerContext, registry
 
     names = dict.fromkeys(["full", *(m.partition("@")[0] for m in ns.methods)])  # "kvzip@global" scores as kvzip
-    mapper = getattr(ns, "_mapper_dir", None) or (mapper_for(ns, model, tmp) if "proxykv" in names else None)
+    mapper = getattr(ns, "_mapper", None) or (mapper_for(ns, model) if "proxykv" in names else None)
     if "proxykv" in names and mapper is None:
         raise ValueError("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
     proxy = getattr(ns, "_proxy_model", None)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
-                            proxy_device=ns.proxy_device or ns.device, pool_kernel=getattr(ns, "pool_kernel", None),
-                            layer_mix=getattr(ns, "layer_mix", None),
+                            proxy_device=ns.proxy_device or ns.device,
                             compile_mapper=getattr(ns, "compile_mapper", False))
     scorers = {method: registry.build(method, context) for method in names}
     runner = scorers.get("proxykv")
@@ -58,9 +56,9 @@ def shape_mapper_overrides(ns) -> dict:
     return mapper_overrides(items)
 
 
-def _shape_setup(ns, tmp: str):
+def _shape_setup(ns):
     """Random-weight target + proxy of real shapes, and a random paper-preset mapper (honest for timing)."""
-    from ..hub import Checkpoint, save_checkpoint
+    from ..hub import Checkpoint
     from ..mapper import HybridAxialMapper
     from ..proxy import ProxySpec
     from ..testing import tiny_tokenizer
@@ -73,8 +71,8 @@ def _shape_setup(ns, tmp: str):
     spec = ProxySpec(kind="model", num_layers=proxy.config.num_hidden_layers,
                      num_heads=proxy.config.num_attention_heads, model_id=PAIRS[ns.shape])
     mapper = HybridAxialMapper(pair_mapper_config(ns.shape, **shape_mapper_overrides(ns))).eval()
-    save_checkpoint(Checkpoint(mapper=mapper, proxy=spec, target=target_spec_of(target, ns.shape)), tmp)
-    ns._proxy_model, ns._mapper_dir = proxy, tmp
+    ns._proxy_model = proxy
+    ns._mapper = Checkpoint(mapper=mapper, proxy=spec, target=target_spec_of(target, ns.shape))
     return target, tiny_tokenizer()  # ids only need to be in range; the tiny byte tokenizer serves KVzip's prompts
 
 
@@ -102,10 +100,9 @@ def _is_json(value) -> bool:
     return True
 
 
-def _setup(ns, tmp: str):
-
-    model, tok = _shape_setup(ns, tmp) if ns.shape else load(ns)
-    scorers, runner = _scorers(ns, model, tok, tmp)
+def _setup(ns):
+    model, tok = _shape_setup(ns) if ns.shape else load(ns)
+    scorers, runner = _scorers(ns, model, tok)
     return model, scorers, runner
 
 
@@ -113,31 +110,28 @@ def _measure_peak(spec: dict) -> int:
     """The child of :func:`fresh_memory_probe`: print one JSON line with the peak prefill bytes of one point."""
 
     ns = argparse.Namespace(**spec)
-    with tempfile.TemporaryDirectory() as tmp:
-        model, scorers, _ = _setup(ns, tmp)
-        method, n = ns.methods[0], ns.context_lengths[0]
-        peak = Bench(model, scorers, from_args(BenchConfig, ns)).peak_once(method, n)
+    model, scorers, _ = _setup(ns)
+    method, n = ns.methods[0], ns.context_lengths[0]
+    peak = Bench(model, scorers, from_args(BenchConfig, ns)).peak_once(method, n)
     print(json.dumps({"method": method, "context": n, "peak_prefill_bytes": peak}))
     return 0
 
 
 def run_bench(ns) -> int:
-
     cfg = from_args(BenchConfig, ns)
     shape_mapper_overrides(ns)  # a bad --mapper-config fails before any model loads
-    with tempfile.TemporaryDirectory() as tmp:
-        model, scorers, runner = _setup(ns, tmp)
-        probe = None
-        if cfg.fresh_memory:
-            if next(model.parameters()).device.type == "cpu":
-                probe = fresh_memory_probe(ns)
-            else:
-                logger.warning("--fresh-memory applies to the CPU only: on %s the allocator's own peak is used",
-                               next(model.parameters()).device)
-        bench = Bench(model, scorers, cfg, proxy_runner=runner, memory_probe=probe)
-        with tqdm(total=len(cfg.context_lengths) * len(bench.labels()), desc="bench", unit="method") as bar:
-            rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
-                                                                   ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
+    model, scorers, runner = _setup(ns)
+    probe = None
+    if cfg.fresh_memory:
+        if next(model.parameters()).device.type == "cpu":
+            probe = fresh_memory_probe(ns)
+        else:
+            logger.warning("--fresh-memory applies to the CPU only: on %s the allocator's own peak is used",
+                           next(model.parameters()).device)
+    bench = Bench(model, scorers, cfg, proxy_runner=runner, memory_probe=probe)
+    with tqdm(total=len(cfg.context_lengths) * len(bench.labels()), desc="bench", unit="method") as bar:
+        rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
+                                                               ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
     env = environment(model)
     env["shape"] = ns.shape
     env["compile_mapper"] = bool(getattr(ns, "compile_mapper", False))

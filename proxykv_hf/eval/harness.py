@@ -249,9 +249,10 @@ class Harness:
 
     def run(self) -> Path:
         cfg = self.config
-        options = {"mapper": self.options.mapper, "pool_kernel": self.options.pool_kernel,
-                   "layer_mix": self.options.layer_mix,
-                   "kvzip_chunk": self.options.kvzip_chunk, "seed": self.options.seed}
+        mapper = self.options.mapper
+        options = {"mapper": mapper if mapper is None or isinstance(mapper, (str, os.PathLike)) else
+                   f"a {type(mapper).__name__} in memory", "kvzip_chunk": self.options.kvzip_chunk,
+                   "seed": self.options.seed}
         (self.out / "config.json").write_text(json.dumps({"config": asdict(cfg), "options": options,
                                                           "env": environment(self.model)}, indent=2, default=str))
         done = self._done()

@@ -26,7 +26,7 @@ from ..selection import keep_counts
 METHODS = tuple(registry.names())
 """Method names registered when this module was imported (``registry.names()`` is the live list). ``attn_sum`` /
 ``attn_max`` / ``attn_novelty``: the self proxy's statistics (sum, max, lookback) used as scores with no mapper
-(:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`; pooled only with ``pool_kernel``)."""
+(:class:`~proxykv_hf.scorers.statistic.AttentionStatisticScorer`)."""
 
 def build_method(name: str, model, options: ScorerContext):
     """The scorer of method ``name`` (None for the full cache), built by the registry for ``model``."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import logging
 import os
@@ -15,15 +14,11 @@ import torch
 
 from ..fingerprints import weights_digest
 from ..proxy import check_self_layers, decoder_of, proxy_features
-from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums, recomputations
-from ..selection import LayerMixer, check_kernel_size, check_layer_mix, masked_moments, smooth_scores
-from .base import BackgroundScorer, LayerInputs, Prompt
 from ..model_layout import full_attention_layers
+from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums
+from .base import BackgroundScorer, LayerInputs, Prompt
 
 logger = logging.getLogger(__name__)
-
-GLOBAL_NORMS = ("none", "layer")
-
 
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
@@ -56,7 +51,8 @@ def _cpu_has_bfloat16() -> bool:
 
 
 class ProxyScorer(BackgroundScorer):
-    """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`).
+    """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`), ranked as the mapper gives them (also
+    across layers and heads under the global budget: its logits are trained on KVzip's raw scores).
 
     On the target's first prefill, :meth:`prepare` runs the proxy and the mapper; on CUDA they run on a side stream
     (or on ``proxy_device``) while the target prefills. The cache compacts each layer as soon as the scores are in
@@ -79,15 +75,6 @@ class ProxyScorer(BackgroundScorer):
             (default): only when the proxy runs on another device than the target. With ``False`` the first
             compacted layer's stream waits on the proxy's event and every layer is compacted as soon as its
             attention has run.
-        pool_kernel: before the Top-K, lift each score to the mean of the ``pool_kernel`` tokens around it where that
-            is higher (odd; 1 = off; :func:`~proxykv_hf.selection.smooth_scores` with ``keep_peaks``); None: the
-            checkpoint's ``pool_kernel``.
-        layer_mix: add this many times the mean of the standardised scores of the layers scored so far to each
-            layer's standardised scores (:class:`~proxykv_hf.selection.LayerMixer`; 0 = off); None: the
-            checkpoint's ``layer_mix``. Applied after the pooling.
-        global_norm: how the mapper's scores are made comparable across layers and heads under the global budget:
-            ``"none"`` (the logits as they are: the magnitude head is trained on KVzip's raw scores) or
-            ``"layer"`` (standardised per layer and row over its heads' real tokens).
         fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
             :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
         compile_mapper: compile the mapper's time encoder with ``torch.compile`` (its forward, in place on the
@@ -98,7 +85,6 @@ class ProxyScorer(BackgroundScorer):
 
     def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
                  n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
-                 pool_kernel: int | None = None, layer_mix: float | None = None, global_norm: str = "none",
                  fused: FusedStatistics | None = None, compile_mapper: bool = False):
         if not isinstance(compile_mapper, bool):
             raise ValueError(f"compile_mapper must be a bool, got {compile_mapper!r}")
@@ -116,18 +102,11 @@ class ProxyScorer(BackgroundScorer):
         self._proxy_of = {} if self.spec.kind != "self" else {
             l: p for p, l in enumerate(check_self_layers(self.spec.layers, checkpoint.target.num_layers))}
         self.fused = fused or FusedStatistics()
-        if global_norm not in GLOBAL_NORMS:
-            raise ValueError(f"global_norm must be one of {GLOBAL_NORMS}, got {global_norm!r}")
-        self.global_norm = global_norm
         self.mapper_autocast = mapper_autocast
         self.overlap = overlap
-        self.pool_kernel = checkpoint.pool_kernel if pool_kernel is None else check_kernel_size(pool_kernel,
-                                                                                                "pool_kernel")
-        self.layer_mix = checkpoint.layer_mix if layer_mix is None else check_layer_mix(layer_mix)
         for encoder in (m.time_encoder for m in checkpoint.mappers if compile_mapper):
             if not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
                 encoder.forward = torch.compile(encoder.forward)
-        self._mixer = LayerMixer(self.layer_mix)
         self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read
         # (mapper, proxy layer, the layer's encoding by it), shared by the target layers paired with that layer
         self._encoded: tuple[object, int, torch.Tensor] | None = None
@@ -139,22 +118,27 @@ class ProxyScorer(BackgroundScorer):
         self._error: BaseException | None = None
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, proxy=None, proxy_device=None, revision: str | None = None,
+    def from_pretrained(cls, name_or_path, *, proxy=None, proxy_device=None, revision: str | None = None,
                         cache_dir=None, token=None, local_files_only: bool | None = None, **kwargs) -> "ProxyScorer":
-        """The scorer of a trained mapper checkpoint (a local directory or a Hub repository id).
+        """The scorer of a trained mapper checkpoint: a local directory, a Hub repository id, or a
+        :class:`~proxykv_hf.hub.Checkpoint` already in memory (used as it is, moved to ``proxy_device`` if given).
 
         Args:
-            name_or_path: checkpoint directory or Hub id (``huggingface_hub``; ``HF_HUB_OFFLINE`` honoured).
+            name_or_path: checkpoint directory or Hub id (``huggingface_hub``; ``HF_HUB_OFFLINE`` honoured), or a
+                :class:`~proxykv_hf.hub.Checkpoint`.
             proxy: an already loaded proxy model for checkpoints whose proxy is a separate model (else it is loaded
                 from the id the checkpoint names).
             proxy_device: device for the proxy and the mapper (e.g. ``"cuda:1"``); default: the target's.
             revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
-            **kwargs: the constructor's options (``chunk_size``, ``pool_kernel``, ``overlap``, ...).
+            **kwargs: the constructor's options (``chunk_size``, ``overlap``, ``mapper_autocast``, ...).
         """
-        from ..hub import load_checkpoint
+        from ..hub import Checkpoint, load_checkpoint
 
-        ckpt = load_checkpoint(name_or_path, map_location=proxy_device or "cpu", revision=revision,
-                               cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+        if isinstance(name_or_path, Checkpoint):
+            ckpt = name_or_path if proxy_device is None else name_or_path.to(proxy_device)
+        else:
+            ckpt = load_checkpoint(name_or_path, map_location=proxy_device or "cpu", revision=revision,
+                                   cache_dir=cache_dir, token=token, local_files_only=local_files_only)
         if ckpt.proxy.kind == "model" and proxy is None:
             from ..models import load_model
 
@@ -176,7 +160,6 @@ class ProxyScorer(BackgroundScorer):
     def fresh(self) -> "ProxyScorer":
         clone = copy.copy(self)
         clone._scores, clone._event, clone._future, clone._error = None, None, None, None
-        clone._mixer = LayerMixer(self.layer_mix)
         clone._features, clone._encoded = {}, None
         return clone
 
@@ -187,9 +170,9 @@ class ProxyScorer(BackgroundScorer):
         return state
 
     def settings(self) -> dict:
-        """The base settings (``pool_kernel``, ``layer_mix``, ``global_norm``, ``n_sink``, ...) and the
-        checkpoint's: proxy, target, mapper config, the mapper of each layer and a digest of every mapper's weights,
-        so that two different mappers never share a saved context's key."""
+        """The base settings (``n_sink``, ``chunk_size``, ...) and the checkpoint's: proxy, target, mapper config,
+        the mapper of each layer and a digest of every mapper's weights, so that two different mappers never share a
+        saved context's key."""
         ckpt = self.checkpoint
         out = super().settings()
         out["checkpoint"] = {"proxy": ckpt.proxy.to_dict(), "target": ckpt.target.to_dict(),
@@ -197,16 +180,10 @@ class ProxyScorer(BackgroundScorer):
                              "weights": weights_digest(ckpt.mappers)}
         return out  # a separate proxy model is in the base settings: its name and a digest of its weights
 
-    def published_checkpoint(self):
-        """The checkpoint as this scorer selects with it: the loaded one with this scorer's ``pool_kernel`` and
-        ``layer_mix`` (the mappers are shared, not copied)."""
-        return dataclasses.replace(self.checkpoint, pool_kernel=self.pool_kernel, layer_mix=self.layer_mix)
-
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write the mapper checkpoint this scorer scores with (:meth:`published_checkpoint`: its mappers, also
-        those a combined checkpoint holds, and its ``pool_kernel`` and ``layer_mix``) to ``directory``, so that
-        :meth:`from_pretrained` on it scores the same way. The options a checkpoint does not hold
-        (``global_norm``, ``n_sink``, ``chunk_size``, ``mapper_autocast``, ``proxy_device``, the proxy model
+        """Write the mapper checkpoint this scorer scores with (all its mappers, where its layers are scored by
+        several) to ``directory``, so that :meth:`from_pretrained` on it scores the same way. The options a
+        checkpoint does not hold (``n_sink``, ``chunk_size``, ``mapper_autocast``, ``proxy_device``, the proxy model
         itself) are passed to ``from_pretrained`` again.
 
         Returns:
@@ -214,15 +191,15 @@ class ProxyScorer(BackgroundScorer):
         """
         from ..hub import save_checkpoint
 
-        return save_checkpoint(self.published_checkpoint(), directory)
+        return save_checkpoint(self.checkpoint, directory)
 
     def push_to_hub(self, repo_id: str, *, private: bool = False, token=None,
                     commit_message: str = "Upload ProxyKV mapper") -> str:
-        """Upload :meth:`published_checkpoint` to the Hub repository ``repo_id`` (created if needed), as
+        """Upload the mapper checkpoint to the Hub repository ``repo_id`` (created if needed), as
         :meth:`save_pretrained` writes it; returns the commit URL."""
         from ..hub import push_to_hub
 
-        return push_to_hub(self.published_checkpoint(), repo_id, private=private, token=token,
+        return push_to_hub(self.checkpoint, repo_id, private=private, token=token,
                            commit_message=commit_message)
 
     def statistics_for(self, compact_index: int) -> tuple[str, ...]:
@@ -244,7 +221,6 @@ class ProxyScorer(BackgroundScorer):
     def prepare(self, prompt: Prompt) -> None:
         self._check(prompt)
         self._scores, self._event, self._future, self._error = None, None, None, None
-        self._mixer.reset()
         self._features, self._encoded = {}, None
         # no mask for an unpadded prompt: the proxy's attention stays causal-only (fused attention sums) and the
         # mapper's encoder runs without a padding mask (flash attention); a self proxy's mapper reads this per layer
@@ -312,31 +288,6 @@ class ProxyScorer(BackgroundScorer):
         return proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
                               statistics=self.spec.statistics, fused=self.fused)
 
-    def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
-        if self.global_norm == "none":
-            return scores
-        out = {}
-        for i, s in scores.items():
-            mean, std, _ = masked_moments(s, valid, (1, 2))
-            out[i] = (s.float() - mean) / std
-        return out
-
-    def prefill_flops(self, model, n_tokens: int) -> dict[str, float]:
-        from ..flops import attention_shape, prefill_flops
-
-        runner = self.proxy_model if self.spec.kind == "model" else model
-        heads, _, head_dim = attention_shape(runner.config)
-        weight = next(runner.parameters())
-        query = torch.empty(1, heads, 1, head_dim, dtype=weight.dtype, device=weight.device)
-        layers = self.spec.layers
-        if self.spec.kind == "self" and layers is not None:
-            full = full_attention_layers(model)
-            layers = [full[l] for l in layers]  # compacted -> decoder layer indices
-        return prefill_flops(model.config, n_tokens, proxy_kind=self.spec.kind,
-                             proxy_config=runner.config if self.spec.kind == "model" else None,
-                             proxy_layers=layers, mapper_config=self.mapper.config,
-                             statistics_passes=recomputations(query, self.fused))
-
     @torch.no_grad()
     def _run(self, runner, ids, mask) -> torch.Tensor:
         x = self.features(runner, ids, mask)
@@ -344,10 +295,6 @@ class ProxyScorer(BackgroundScorer):
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
-        scores = smooth_scores(self._layer_scores(inputs), inputs.valid, self.pool_kernel, keep_peaks=True)
-        return self._mixer(scores, inputs.valid)  # layers come in order, one prefill at a time
-
-    def _layer_scores(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
         if self.spec.kind == "self":
             layer = inputs.compact_index

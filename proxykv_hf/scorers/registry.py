@@ -36,34 +36,27 @@ class ScorerContext:
     Attributes:
         model: the target model the scorer's cache will run on.
         tokenizer: the target's tokenizer (KVzip's repeat prompt).
-        mapper: ProxyKV mapper checkpoint (directory or Hub id).
+        mapper: ProxyKV mapper checkpoint: a directory, a Hub id, or a :class:`~proxykv_hf.hub.Checkpoint` in
+            memory (e.g. a random one for ``--tiny``).
         proxy: a loaded proxy model for checkpoints whose proxy is a separate model.
         proxy_device: where ProxyKV's proxy and mapper run; None: the target's device.
         iam_proxy: the proxy model of KVzip+IAM (a separate model), or None for a layer subset of the target.
         iam_layers: the target layers of KVzip+IAM's layer-subset proxy.
         seed: for the random method.
         kvzip_chunk: KVzip's reconstruction chunk size.
-        pool_kernel: ProxyKV's score pooling (see :class:`~proxykv_hf.scorers.proxy.ProxyScorer`); None: the
-            checkpoint's.
-        layer_mix: ProxyKV's mixing of each layer's scores with the earlier layers' (``ProxyScorer``); None: the
-            checkpoint's.
-        global_norm: how ProxyKV's scores are compared across layers under the global budget (``ProxyScorer``).
-        compile_mapper: compile ProxyKV's mapper encoder (``ProxyScorer``).
+        compile_mapper: compile ProxyKV's mapper encoder (:class:`~proxykv_hf.scorers.proxy.ProxyScorer`).
         extra: anything a registered third-party builder wants.
     """
 
     model: object = None
     tokenizer: object = None
-    mapper: str | None = None
+    mapper: object = None
     proxy: object = None
     proxy_device: str | None = None
     iam_proxy: object = None
     iam_layers: list[int] | None = None
     seed: int = 0
     kvzip_chunk: int = 2048
-    pool_kernel: int | None = None
-    layer_mix: float | None = None
-    global_norm: str = "none"
     compile_mapper: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -197,15 +190,14 @@ def _proxykv(ctx: ScorerContext) -> Scorer:
     if ctx.mapper is None:
         raise ValueError("method 'proxykv' needs a mapper checkpoint (--mapper)")
     return ProxyScorer.from_pretrained(ctx.mapper, proxy=ctx.proxy, proxy_device=ctx.proxy_device,
-                                       pool_kernel=ctx.pool_kernel, layer_mix=ctx.layer_mix,
-                                       global_norm=ctx.global_norm, compile_mapper=ctx.compile_mapper)
+                                       compile_mapper=ctx.compile_mapper)
 
 
 def _statistic(name: str) -> Callable[[ScorerContext], Scorer]:
     def build_statistic(ctx: ScorerContext) -> Scorer:
         from .statistic import AttentionStatisticScorer
 
-        return AttentionStatisticScorer(name, pool_kernel=ctx.pool_kernel or 1)
+        return AttentionStatisticScorer(name)
 
     return build_statistic
 

@@ -44,23 +44,15 @@ class TrainConfig:
         eval_batch_size: validation batch size (default ``batch_size``).
         loss: the hybrid loss coefficients.
         init_from: start from the weights of this mapper checkpoint (directory or Hub id; fine-tuning on new
-            data); its mapper config must equal the one trained, except that the new one may add parameters
-            that start as a no-op (the fields of ``mapper_init.ADDITIVE_FIELDS``, ``direct_path`` and
-            ``layer_embedding``: their parameters start at zero). Optimizer, schedule and step count start fresh.
-            Ignored when resuming a run from ``out_dir/last``.
-        direct_path_lr_mult: learning-rate multiplier of the mapper's direct-path parameters
-            (``MapperConfig.direct_path``, beyond the paper): they are a few hundred linear weights that start at
-            zero, so at the encoder's learning rate they would move ~``lr`` per step; warmup and plateau decay
-            apply to them alike.
-        layer_embedding_lr_mult: learning-rate multiplier of the mapper's layer embedding
-            (``MapperConfig.layer_embedding``): one ``d_time`` vector per target layer, each updated only in the
-            steps that draw its layer; switched on by ``init_from`` it starts at zero, like the direct path.
+            data); its mapper config must equal the one trained (but for the number of proxy layers, on which no
+            weight depends). Optimizer, schedule and step count start fresh. Ignored when resuming a run from
+            ``out_dir/last``.
         layers_per_step: train each step on this many target layers drawn at random (the mapper is shared by
             all layers, so this is an unbiased estimate of the full loss at a fraction of the cost; the
             validation always scores every layer, or every one of ``target_layers``); None = all layers.
         target_layers: train and validate on these target layers alone (0-based), e.g. a mapper meant to score
-            some layers of a combined checkpoint (:func:`~proxykv_hf.hub.combine_checkpoints`); ``layers_per_step``
-            then draws among them. None = all.
+            some layers of a checkpoint whose layers are scored by several mappers
+            (:attr:`~proxykv_hf.hub.Checkpoint.layer_mappers`); ``layers_per_step`` then draws among them. None = all.
         statistics: train on these proxy statistics of the dataset (a subset, e.g. ``("sum",)`` of a sum+max
             dataset; :class:`~proxykv_hf.train.dataset.MapperDataset`); None = all it holds. The mapper config
             must read as many (:func:`~proxykv_hf.train.mapper_init.mapper_config_for` with the same ``statistics``).
@@ -93,8 +85,6 @@ class TrainConfig:
     layers_per_step: int | None = None
     target_layers: tuple[int, ...] | None = None
     init_from: str | None = None
-    direct_path_lr_mult: float = 1.0
-    layer_embedding_lr_mult: float = 1.0
     statistics: tuple[str, ...] | None = None
     proxy_layers: tuple[int, ...] | None = None
     log_every: int = 50
@@ -102,7 +92,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.eval_ratios = tuple(self.eval_ratios)
-        for name in ("lr", "weight_decay", "direct_path_lr_mult", "layer_embedding_lr_mult"):
+        for name in ("lr", "weight_decay"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")

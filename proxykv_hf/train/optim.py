@@ -13,16 +13,19 @@ from ..mapper import HybridAxialMapper
 from .config import TrainConfig
 
 
+DIRECT_PATH_LR_MULT = 50.0
+"""Learning-rate multiplier of the mapper's direct path (``MapperConfig.direct_path``, beyond the paper): a few
+hundred linear weights that start at zero, so at the encoder's learning rate they would move ~``lr`` per step (the
+bundled mapper was trained with it; warmup and plateau decay apply to them alike)."""
+
+
 def param_groups(mapper: HybridAxialMapper, cfg: TrainConfig) -> list[dict]:
-    """AdamW parameter groups: the direct path (if any) at ``lr * direct_path_lr_mult``, the layer embedding (if
-    any) at ``lr * layer_embedding_lr_mult``, the rest at ``lr``."""
-    mults = {"direct.": cfg.direct_path_lr_mult, "layer_embedding.": cfg.layer_embedding_lr_mult}
+    """AdamW parameter groups: the direct path (if any) at ``lr * DIRECT_PATH_LR_MULT``, the rest at ``lr``."""
     named = list(mapper.named_parameters())
-    groups = [{"params": [p for n, p in named if not n.startswith(tuple(mults))]}]
-    for prefix, mult in mults.items():
-        params = [p for n, p in named if n.startswith(prefix)]
-        if params:
-            groups.append({"params": params, "lr": cfg.lr * mult})
+    groups = [{"params": [p for n, p in named if not n.startswith("direct.")]}]
+    direct = [p for n, p in named if n.startswith("direct.")]
+    if direct:
+        groups.append({"params": direct, "lr": cfg.lr * DIRECT_PATH_LR_MULT})
     return groups
 
 
