@@ -1,6 +1,6 @@
 """The ``proxykv`` command: one function per subcommand.
 
-    proxykv demo                         # the bundled SmolLM2 + ProxyKV on a ~4k-token needle prompt
+    proxykv demo                         # Qwen2.5-Coder-1.5B, pruned by its 0.5B sibling, on a long code file
     proxykv generate --method snapkv --keep-ratio 0.3 --prompt "..."
     proxykv compress --prompt-file doc.txt --out ctx/      # compress once, save (docs/design.md)
     proxykv generate --context ctx/ --question "..."       # answer from the saved context, in any later process
@@ -235,7 +235,7 @@ def cmd_bench(ns) -> int:
 
 
 def cmd_demo(ns) -> int:
-    from .demo import run_demo
+    from .demo import main as run_demo
 
     return run_demo(ns)
 
@@ -252,7 +252,6 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from .bench.run import BenchConfig
     from .eval.harness import EvalConfig
-    from .eval.splits import SPLITS
     from .scorers import registry
     from .train.data import DataConfig
     from .train.loop import TrainConfig
@@ -263,16 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log progress; on a user error, show the traceback instead of one line")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the bundled SmolLM2 answering a long prompt with each method")
+    p = sub.add_parser("demo", help="questions about a long code file, answered from a cache compressed by each "
+                                    "method (the Qwen2.5-Coder pair by default)")
     _common(p)
-    p.add_argument("--context-tokens", type=int, default=2048, help="length of the prompt")
+    p.set_defaults(model="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--keep-ratio", type=keep_ratio_arg, default=DEFAULT_KEEP_RATIO,
                    help="share of the prompt's K/V each method keeps, in (0, 1]")
-    p.add_argument("--methods", nargs="+", default=["full", "proxykv", "snapkv", "kvzip"], choices=METHODS)
-    p.add_argument("--task", default="letter:everyday-test",
-                   help="the prompt's task (default: the test split's fact stated once in a letter or a diary)")
-    p.add_argument("--seed", type=int, default=SPLITS["test"].seed,
-                   help="task seed (default: the test split's, which no training text or choice used)")
+    p.add_argument("--methods", nargs="+", default=["full", "proxykv", "kvzip", "snapkv"], choices=METHODS)
+    p.add_argument("--questions", type=int, default=5, help="how many of the file's five questions to ask")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")
@@ -311,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
     add_dataclass_args(p, EvalConfig, skip=("out_dir",), choices={"methods": METHODS, "split": ("dev", "test")})
-    p.add_argument("--out", dest="out_dir", type=out_dir_arg, default=EvalConfig.out_dir,
+    p.add_argument("--out", dest="out_dir", type=out_dir_arg, default=EvalConfig.out_dir, metavar="DIR",
                    help="directory of the results, tables and plots (a stopped run resumes there)")
     deprecated_alias(p, "--out-dir", "--out", dest="out_dir", type=out_dir_arg)
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")

@@ -73,7 +73,7 @@ class EvalConfig:
             per ratio (the same kept sets; answers may differ where floating-point order breaks a near tie).
         num_shards, shard_index: run only the samples whose index is ``shard_index`` modulo ``num_shards`` (each
             sample depends only on its task, seed and index, so shards run side by side in separate processes and
-            out-dirs, one torch thread each, give the records of one run between them).
+            output directories (--out), one torch thread each, give the records of one run between them).
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "kvzip", "snapkv", "streaming", "random"])

@@ -153,7 +153,7 @@ class ProxyScorer(BackgroundScorer):
 
     @property
     def mapper(self):
-        """The checkpoint's (first) mapper; a combined checkpoint scores some layers with others
+        """The checkpoint's (first) mapper; a checkpoint of several mappers scores some layers with others
         (:meth:`~proxykv_hf.hub.Checkpoint.mapper_for`)."""
         return self.checkpoint.mapper
 
