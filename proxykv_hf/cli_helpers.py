@@ -266,12 +266,16 @@ def tiny_mapper_checkpoint(model):
 
 def mapper_for(ns, model):
     """The mapper checkpoint to use: ``--mapper`` (a directory or Hub id), a random one in memory for ``--tiny``
-    (:func:`tiny_mapper_checkpoint`), else the bundled one's directory (None where it is missing)."""
+    (:func:`tiny_mapper_checkpoint`), else the one bundled for ``--model`` (None where none is)."""
+    from .hub import BUNDLED_MAPPERS
+    from .models import DEFAULT_MODEL
+
     if getattr(ns, "mapper", None):
         return ns.mapper
     if getattr(ns, "tiny", False):
         return tiny_mapper_checkpoint(model)
-    return str(BUNDLED_MAPPER) if BUNDLED_MAPPER.is_dir() else None
+    name = BUNDLED_MAPPERS.get(getattr(ns, "model", None) or DEFAULT_MODEL)
+    return str(BUNDLED_DIR / name) if name and (BUNDLED_DIR / name).is_dir() else None
 
 
 def field_overrides(cls, items: list[str], flag: str) -> dict:

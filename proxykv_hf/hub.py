@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_DIR = Path(__file__).parent / "checkpoints"
 BUNDLED_MAPPER = "proxykv-smollm2-135m-instruct"  # shipped with the package, for the bundled SmolLM2 target
+BUNDLED_MAPPERS = {"smollm2-135m-instruct": BUNDLED_MAPPER,
+                   "qwen2.5-coder-1.5b-instruct": "proxykv-qwen2.5-coder-1.5b-instruct"}
+"""The mapper shipped with the package for each packaged target (:mod:`proxykv_hf.models`), by model name."""
 CONFIG_NAME = "proxykv_config.json"
 WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"

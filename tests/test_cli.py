@@ -38,15 +38,53 @@ def test_eval_tiny(tmp_path, capsys):
 
 @pytest.mark.slow  # a whole command on a tiny model
 def test_demo_tiny(capsys):
-    """The README's main command, on a tiny random model: one table row per method, with the cache sizes."""
-    main(["demo", "--tiny", "--context-tokens", "300"])
+    """The README's main command, on a tiny random model: a row per method with its keep ratio, right answers out
+    of the questions asked and the cache size, each question's answers, and the summary line."""
+    main(["demo", "--tiny", "--questions", "2"])
     out = capsys.readouterr().out
     lines = out.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("method "))
     rows = {line.split()[0]: line.split() for line in lines[head + 1:head + 5]}
     assert sorted(rows) == ["full", "kvzip", "proxykv", "snapkv"]
     assert rows["full"][1] == "1.00" and rows["proxykv"][1] == "0.30"
+    assert all(row[2].endswith("/2") for row in rows.values())
     assert float(rows["proxykv"][-1]) < float(rows["full"][-1])  # KV MiB kept
+    assert sum(line.startswith("Q") for line in lines) == 2
+    assert lines[-1].startswith("of the ") and "still answered: proxykv" in lines[-1]
+
+
+def test_demo_summary_counts_only_what_the_full_cache_answers():
+    from proxykv_hf.demo import Question, _print_tables
+
+    questions = [Question("a?", ["1"]), Question("b?", ["2"]), Question("c?", ["3"])]
+    results = {"full": {"answers": ["1", "x", "3"], "correct": [True, False, True], "ttft_s": 1.0, "kv_bytes": 2**20,
+                        "keep_ratio": 1.0},
+               "snapkv": {"answers": ["1", "2", "x"], "correct": [True, True, False], "ttft_s": 1.0,
+                          "kv_bytes": 2**19, "keep_ratio": 0.3}}
+    lines = []
+    _print_tables(results, questions, lines.append)
+    assert lines[-1] == "\nof the 2 questions the full cache answers, still answered: snapkv 1"
+
+
+def test_demo_document_answers_are_in_the_file():
+    from proxykv_hf.demo import demo_document
+
+    context, questions = demo_document()
+    assert len(questions) == 5
+    for q in questions:
+        assert any(a in context for a in q.answers), q
+
+
+def test_bundled_mapper_follows_the_model(tmp_path):
+    from argparse import Namespace
+
+    from proxykv_hf.cli_helpers import mapper_for
+    from proxykv_hf.hub import BUNDLED_DIR
+
+    assert mapper_for(Namespace(model="smollm2-135m-instruct", mapper=None), None) == str(
+        BUNDLED_DIR / "proxykv-smollm2-135m-instruct")
+    assert mapper_for(Namespace(model=str(tmp_path), mapper=None), None) is None  # no mapper for an unknown model
+    assert mapper_for(Namespace(model=str(tmp_path), mapper="org/m"), None) == "org/m"
 
 
 def test_generate_tiny(capsys):
