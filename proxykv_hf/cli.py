@@ -33,7 +33,7 @@ from .cache import DEFAULT_KEEP_RATIO
 from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
                           context_out_arg, default_device, deprecated_alias, device_arg, dtype_of, field_docs,
                           field_overrides, from_args, keep_ratio_arg, load, mapper_for, mapper_overrides,
-                          model_of_context, out_dir_arg, text_file_arg)
+                          model_of_context, out_dir_arg, proxy_model_of, text_file_arg)
 
 __all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
 
@@ -59,6 +59,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="ProxyKV mapper checkpoint: a directory or a Hub id (default: the bundled one)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, for the scorers it registers (proxykv_hf.scorers.register)")
+
+
+def _proxy_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--proxy-model", default=None, metavar="MODEL",
+                   help="a separate proxy model (e.g. qwen2.5-coder-0.5b-instruct), loaded once in --dtype: "
+                        "KVzip+IAM's proxy, and ProxyKV's where its mapper reads a separate model")
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -134,7 +140,9 @@ def cmd_eval(ns) -> int:
 
     model, tok = load(ns)
     cfg = from_args(EvalConfig, ns)
-    options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model), seed=ns.seed, kvzip_chunk=ns.kvzip_chunk)
+    proxy = proxy_model_of(ns, model)
+    options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model), seed=ns.seed, kvzip_chunk=ns.kvzip_chunk,
+                            proxy=proxy, iam_proxy=proxy)
     out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
@@ -312,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory of the results, tables and plots (a stopped run resumes there)")
     deprecated_alias(p, "--out-dir", "--out", dest="out_dir", type=out_dir_arg)
     p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")
+    _proxy_model_arg(p)
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
     p.set_defaults(fn=cmd_eval)
@@ -373,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     add_dataclass_args(p, BenchConfig, choices={"methods": METHODS})
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
+    _proxy_model_arg(p)
     p.add_argument("--proxy-device", type=device_arg, default=None,
                    help="device of the proxy and mapper (e.g. cuda:1); default: the target's")
     p.add_argument("--compile-mapper", action="store_true",

@@ -278,6 +278,19 @@ def mapper_for(ns, model):
     return str(BUNDLED_DIR / name) if name and (BUNDLED_DIR / name).is_dir() else None
 
 
+def proxy_model_of(ns, model):
+    """``--proxy-model`` loaded in the target's dtype, on ``--proxy-device`` or the target's device; None without
+    it."""
+    name = getattr(ns, "proxy_model", None)
+    if not name:
+        return None
+    if getattr(ns, "tiny", False):
+        raise ValueError("--proxy-model needs a real target model, not --tiny")
+    from .models import load_model
+
+    return load_model(name, dtype=model.dtype, device=getattr(ns, "proxy_device", None) or model.device)
+
+
 def field_overrides(cls, items: list[str], flag: str) -> dict:
     """``["FIELD=VALUE", ...]`` -> typed overrides of the simple (bool, int, float, str) fields of ``cls``.
 

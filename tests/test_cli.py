@@ -5,6 +5,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from proxykv_hf.cli import main
 
@@ -444,3 +445,27 @@ def test_removed_subcommands_and_options_are_user_errors(argv, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two tiny models saved and loaded, one evaluation sample
+def test_eval_proxy_model_is_iams_proxy(tmp_path, monkeypatch):
+    """``--proxy-model`` is loaded once, in the target's dtype, and handed to KVzip+IAM (and to ProxyKV)."""
+    from proxykv_hf.scorers import iam
+    from proxykv_hf.testing import tiny_model, tiny_tokenizer
+
+    for name, layers in (("target", 4), ("proxy", 2)):
+        tiny_model("llama", num_hidden_layers=layers).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    seen = []
+    real_init = iam.KVzipIAMScorer.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("proxy"))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(iam.KVzipIAMScorer, "__init__", spy)
+    main(["eval", "--model", str(tmp_path / "target"), "--proxy-model", str(tmp_path / "proxy"), "--dtype",
+          "float32", "--methods", "full", "kvzip_iam", "--keep-ratios", "0.5", "--tasks", "niah_single_1",
+          "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "out")])
+    assert seen and seen[0] is not None and seen[0].config.num_hidden_layers == 2
+    assert seen[0].dtype == torch.float32

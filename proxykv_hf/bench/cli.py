@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..cli_helpers import dtype_of, from_args, load, mapper_for, mapper_overrides
+from ..cli_helpers import dtype_of, from_args, load, mapper_for, mapper_overrides, proxy_model_of
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
 
@@ -33,7 +33,7 @@ def _scorers(ns, model, tok):
     mapper = getattr(ns, "_mapper", None) or (mapper_for(ns, model) if "proxykv" in names else None)
     if "proxykv" in names and mapper is None:
         raise ValueError("proxykv needs a mapper checkpoint (--mapper), or use --tiny")
-    proxy = getattr(ns, "_proxy_model", None)
+    proxy = getattr(ns, "_proxy_model", None) or proxy_model_of(ns, model)
     context = ScorerContext(model=model, tokenizer=tok, mapper=mapper, proxy=proxy, iam_proxy=proxy,
                             proxy_device=ns.proxy_device or ns.device,
                             compile_mapper=getattr(ns, "compile_mapper", False))
