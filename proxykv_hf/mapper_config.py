@@ -1,8 +1,7 @@
 """MapperConfig: the shape and hyper-parameters of a :class:`~proxykv_hf.mapper.HybridAxialMapper`, its presets, and
 the depth-proportional pairing of target layers with proxy layers.
 
-A module of its own so that both :mod:`proxykv_hf.mapper` and its building blocks (:mod:`proxykv_hf.mapper_blocks`)
-import it without importing each other; :mod:`proxykv_hf.mapper` re-exports everything here.
+:mod:`proxykv_hf.mapper` builds the network from it and re-exports these names.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ class MapperConfig:
     * ``input_transform = "log1p"``: the stem reads ``log1p(max(x, 0))`` of the raw features. Proxy features are
       accumulated attention whose scale grows with N, with sink tokens far above the rest; ``log1p`` turns that
       growth into an additive shift and compresses the tail before BatchNorm. ``"log"`` reads
-      ``log(max(x, 0) + 1e-4)`` (:data:`~proxykv_hf.mapper_blocks.LOG_FLOOR`), which keeps small probabilities
+      ``log(max(x, 0) + 1e-4)`` (:data:`~proxykv_hf.mapper.LOG_FLOOR`), which keeps small probabilities
       (e.g. per-key maxima, mostly far below 0.01) apart; ``"none"`` is the identity. With several statistics,
       one transform per statistic separated by commas, e.g. ``"log1p,log"``: the sums through ``log1p``, the
       maxima through ``log``.

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from bench_cpu_attention import in_turn  # the script beside this one (its directory is on sys.path)
 
-from proxykv_hf import mapper_blocks
+from proxykv_hf import mapper as mapper_module
 from proxykv_hf.hub import BUNDLED_MAPPER, load_checkpoint
 from proxykv_hf.scorers.proxy import bfloat16_is_fast
 from proxykv_hf.train.metrics import topk_recall
@@ -43,17 +43,17 @@ def main(argv=None) -> None:
     print("\n| tokens | float32 | bfloat16 autocast | the same, encoder attention through sdpa | top-30% kept by both "
           "(sdpa) |\n|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(args.seed)
-    windows = mapper_blocks.window_attention_bf16
+    windows = mapper_module.window_attention_bf16
     for n in args.lengths:
         x = torch.rand(1, cfg.num_proxy_layers, cfg.num_features, n, generator=gen)
 
         def run(half: bool, sdpa: bool = False) -> torch.Tensor:
-            mapper_blocks.window_attention_bf16 = F.scaled_dot_product_attention if sdpa else windows
+            mapper_module.window_attention_bf16 = F.scaled_dot_product_attention if sdpa else windows
             try:
                 with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
                     return mapper(x).float()
             finally:
-                mapper_blocks.window_attention_bf16 = windows
+                mapper_module.window_attention_bf16 = windows
 
         times = {name: min(t) for name, t in in_turn({"full": lambda: run(False), "half": lambda: run(True),
                                                       "sdpa": lambda: run(True, sdpa=True)}, args.repeats).items()}

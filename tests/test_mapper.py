@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, window_starts
-from proxykv_hf.mapper_blocks import sinusoidal_encoding
+from proxykv_hf.mapper import (HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, sinusoidal_encoding,
+                               window_starts)
 
 LLAMA_1B_TO_8B = dict(num_proxy_layers=16, num_proxy_heads=32, num_target_layers=32, num_target_heads=8)
 
@@ -199,12 +199,12 @@ def test_bfloat16_window_attention_equals_sdpa(monkeypatch, rows):
     """On a CPU under bfloat16 autocast the unpadded windows' attention runs as batched matmuls a few (window, head)
     pairs at a time (the pairs here not a multiple of the batch), and gives what float32 attention gives within
     bfloat16 rounding; padded windows keep sdpa with its mask."""
-    from proxykv_hf import mapper_blocks
+    from proxykv_hf import mapper as mapper_module
 
-    monkeypatch.setattr(mapper_blocks, "WINDOW_ATTENTION_ROWS", rows)
+    monkeypatch.setattr(mapper_module, "WINDOW_ATTENTION_ROWS", rows)
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, 37, 8) for _ in range(3))
-    got = mapper_blocks.window_attention_bf16(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    got = mapper_module.window_attention_bf16(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert got.shape == (3, 4, 37, 8) and got.dtype == torch.bfloat16
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
@@ -215,8 +215,8 @@ def test_bfloat16_window_attention_equals_sdpa(monkeypatch, rows):
     valid = torch.ones(3, 40, dtype=torch.bool)
     valid[1, 25:] = False
     calls = []
-    real = mapper_blocks.window_attention_bf16
-    monkeypatch.setattr(mapper_blocks, "window_attention_bf16", lambda *a: calls.append(1) or real(*a))
+    real = mapper_module.window_attention_bf16
+    monkeypatch.setattr(mapper_module, "window_attention_bf16", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
         ref = enc(z)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -247,7 +247,7 @@ def test_input_transform_log1p_clamps_negative():
 
 
 def test_input_transform_per_statistic():
-    from proxykv_hf.mapper_blocks import LOG_FLOOR, transform_features
+    from proxykv_hf.mapper import LOG_FLOOR, transform_features
 
     x = torch.rand(2, 3, 2 * 4, 16)  # (B, L, S * H, N): sums then maxima of 4 heads
     got = transform_features(x, "log1p,log")

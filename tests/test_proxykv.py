@@ -14,7 +14,7 @@ from proxykv_hf import ProxyKVCache, ProxyKVPipeline, SnapKVScorer
 from proxykv_hf.eval.prompts import encode_chat_prompt
 from proxykv_hf.hub import Checkpoint, TargetSpec, load_checkpoint, save_checkpoint
 from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.mapper_blocks import TimeEncoder
+from proxykv_hf.mapper import TimeEncoder
 from proxykv_hf.proxy import ProxySpec, every_kth_layer, proxy_features
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
