@@ -104,7 +104,7 @@ class ProxyKVCache(DynamicCache):
     def from_pretrained(cls, name_or_path, keep_ratio: float = DEFAULT_KEEP_RATIO, *,
                         fuse_statistics: bool = True, **kwargs) -> "ProxyKVCache":
         """A ProxyKV cache driven by a trained mapper checkpoint (a local directory, a Hub repository id, or a
-        :class:`~proxykv_hf.hub.Checkpoint` in memory).
+        :class:`~proxykv_hf.checkpoint.Checkpoint` in memory).
 
         ``n_sink``, ``n_recent``, ``config`` and ``budget`` go to the constructor; ``name_or_path`` and the other
         ``kwargs`` (``proxy``, ``proxy_device``, ``revision``, ``cache_dir``, ``token``, ``local_files_only``,

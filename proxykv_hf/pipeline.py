@@ -21,7 +21,7 @@ from .cache import DEFAULT_KEEP_RATIO, ProxyKVCache
 from .compat import with_cache
 from .compressed import CompressedContext, encode_context
 from .fingerprints import describe_model, model_mismatch
-from .hub import Checkpoint
+from .checkpoint import Checkpoint
 from .scorers.base import Scorer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def make_cache_factory(source: Any = None, keep_ratio: float | None = None, **kw
     """Turn what a user passes into a function returning a fresh cache for each call.
 
     Args:
-        source: a mapper checkpoint (directory, Hub id, or a :class:`~proxykv_hf.hub.Checkpoint` in memory), a
+        source: a mapper checkpoint (directory, Hub id, or a :class:`~proxykv_hf.checkpoint.Checkpoint` in memory), a
             :class:`ProxyKVCache` template, a :class:`~proxykv_hf.scorers.base.Scorer`, a zero-argument callable
             returning a cache, or None (full cache).
         keep_ratio: the budget (ignored for a ready template or callable); None: :data:`DEFAULT_KEEP_RATIO

@@ -51,7 +51,7 @@ def _cpu_has_bfloat16() -> bool:
 
 
 class ProxyScorer(BackgroundScorer):
-    """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.hub`), ranked as the mapper gives them (also
+    """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.checkpoint`), ranked as the mapper gives them (also
     across layers and heads under the global budget: its logits are trained on KVzip's raw scores).
 
     On the target's first prefill, :meth:`prepare` runs the proxy and the mapper; on CUDA they run on a side stream
@@ -64,7 +64,7 @@ class ProxyScorer(BackgroundScorer):
     autocast (``mapper_autocast``, :func:`bfloat16_is_fast`); its logits come back in float32.
 
     Args:
-        checkpoint: a loaded :class:`~proxykv_hf.hub.Checkpoint`.
+        checkpoint: a loaded :class:`~proxykv_hf.checkpoint.Checkpoint`.
         proxy_model: the proxy model for kind ``"model"`` checkpoints (:meth:`from_pretrained` loads it).
         proxy_device: where the proxy and mapper run; default: the target's device.
         chunk_size: queries per chunk in the attention accumulation (PyTorch path).
@@ -121,18 +121,20 @@ class ProxyScorer(BackgroundScorer):
     def from_pretrained(cls, name_or_path, *, proxy=None, proxy_device=None, revision: str | None = None,
                         cache_dir=None, token=None, local_files_only: bool | None = None, **kwargs) -> "ProxyScorer":
         """The scorer of a trained mapper checkpoint: a local directory, a Hub repository id, or a
-        :class:`~proxykv_hf.hub.Checkpoint` already in memory (used as it is, moved to ``proxy_device`` if given).
+        :class:`~proxykv_hf.checkpoint.Checkpoint` already in memory (used as it is, moved to ``proxy_device`` if
+        given).
 
         Args:
             name_or_path: checkpoint directory or Hub id (``huggingface_hub``; ``HF_HUB_OFFLINE`` honoured), or a
-                :class:`~proxykv_hf.hub.Checkpoint`.
+                :class:`~proxykv_hf.checkpoint.Checkpoint`.
             proxy: an already loaded proxy model for checkpoints whose proxy is a separate model (else it is loaded
                 from the id the checkpoint names).
             proxy_device: device for the proxy and the mapper (e.g. ``"cuda:1"``); default: the target's.
             revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
             **kwargs: the constructor's options (``chunk_size``, ``overlap``, ``mapper_autocast``, ...).
         """
-        from ..hub import Checkpoint, load_checkpoint
+        from ..checkpoint import Checkpoint
+        from ..hub import load_checkpoint
 
         if isinstance(name_or_path, Checkpoint):
             ckpt = name_or_path if proxy_device is None else name_or_path.to(proxy_device)
@@ -154,7 +156,7 @@ class ProxyScorer(BackgroundScorer):
     @property
     def mapper(self):
         """The checkpoint's (first) mapper; a checkpoint of several mappers scores some layers with others
-        (:meth:`~proxykv_hf.hub.Checkpoint.mapper_for`)."""
+        (:meth:`~proxykv_hf.checkpoint.Checkpoint.mapper_for`)."""
         return self.checkpoint.mapper
 
     def fresh(self) -> "ProxyScorer":
@@ -189,7 +191,7 @@ class ProxyScorer(BackgroundScorer):
         Returns:
             the directory.
         """
-        from ..hub import save_checkpoint
+        from ..checkpoint import save_checkpoint
 
         return save_checkpoint(self.checkpoint, directory)
 
@@ -318,7 +320,7 @@ class ProxyScorer(BackgroundScorer):
         """A self proxy's scores of compacted layer ``layer`` from the features of the proxy layer paired with it
         and, through the direct path, of the ones before it (``MapperConfig.direct_context``); the encoding of a
         proxy layer serves every target layer paired with it (and scored by the same mapper,
-        :meth:`~proxykv_hf.hub.Checkpoint.mapper_for`). Drops the features no later layer reads."""
+        :meth:`~proxykv_hf.checkpoint.Checkpoint.mapper_for`). Drops the features no later layer reads."""
         mapper = self.checkpoint.mapper_for(layer)
         paired, *earlier = mapper.direct_layers(layer) if mapper.direct is not None else [mapper.pairing()[layer]]
         missing = [q for q in (paired, *earlier) if q not in self._features]

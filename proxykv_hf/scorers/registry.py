@@ -36,7 +36,7 @@ class ScorerContext:
     Attributes:
         model: the target model the scorer's cache will run on.
         tokenizer: the target's tokenizer (KVzip's repeat prompt).
-        mapper: ProxyKV mapper checkpoint: a directory, a Hub id, or a :class:`~proxykv_hf.hub.Checkpoint` in
+        mapper: ProxyKV mapper checkpoint: a directory, a Hub id, or a :class:`~proxykv_hf.checkpoint.Checkpoint` in
             memory (e.g. a random one for ``--tiny``).
         proxy: a loaded proxy model for checkpoints whose proxy is a separate model.
         proxy_device: where ProxyKV's proxy and mapper run; None: the target's device.

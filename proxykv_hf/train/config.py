@@ -52,7 +52,8 @@ class TrainConfig:
             validation always scores every layer, or every one of ``target_layers``); None = all layers.
         target_layers: train and validate on these target layers alone (0-based), e.g. a mapper meant to score
             some layers of a checkpoint whose layers are scored by several mappers
-            (:attr:`~proxykv_hf.hub.Checkpoint.layer_mappers`); ``layers_per_step`` then draws among them. None = all.
+            (:attr:`~proxykv_hf.checkpoint.Checkpoint.layer_mappers`); ``layers_per_step`` then draws among them.
+            None = all.
         statistics: train on these proxy statistics of the dataset (a subset, e.g. ``("sum",)`` of a sum+max
             dataset; :class:`~proxykv_hf.train.dataset.MapperDataset`); None = all it holds. The mapper config
             must read as many (:func:`~proxykv_hf.train.mapper_init.mapper_config_for` with the same ``statistics``).

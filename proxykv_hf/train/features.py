@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..hub import TargetSpec
+from ..checkpoint import TargetSpec
 from ..proxy import ProxySpec, every_kth_layer, proxy_features
 from ..model_layout import full_attention_layers
 from .manifest import DataConfig

@@ -11,7 +11,7 @@ steps, then ``ReduceLROnPlateau`` (factor 0.5, patience 3) on the validation los
 grad-clip 1.0, 5% of the crops held out, 30 epochs. ``accelerate`` places the model and the batches, runs bf16
 autocast on CUDA (none on CPU) and shards the batches across processes.
 
-``out_dir`` receives the best mapper (lowest validation loss) in the Hub format of :mod:`proxykv_hf.hub`,
+``out_dir`` receives the best mapper (lowest validation loss) in the directory format of :mod:`proxykv_hf.checkpoint`,
 ``last/`` (the training state, rewritten after every epoch and when ``max_steps`` stops a run; a later call
 resumes from it), ``log.jsonl`` (``"step"`` records every ``log_every`` steps, ``"epoch"`` records with the
 validation metrics) and ``training.png`` (loss and validation mass recovery against the step; redrawn at the
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from ..hub import CONFIG_NAME, Checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import CONFIG_NAME, Checkpoint, save_checkpoint
+from ..hub import load_checkpoint
 from ..mapper import HybridAxialMapper, MapperConfig
 from .config import TrainConfig
 from .dataset import MapperDataset, split_dataset

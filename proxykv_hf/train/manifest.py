@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .._fields import DTYPES as STORAGE_DTYPES, check_known_fields
-from ..hub import TargetSpec
+from ..checkpoint import TargetSpec
 from ..proxy import PROXY_KINDS, ProxySpec, check_self_layers
 from ..scoring import check_statistics
 
@@ -124,7 +124,7 @@ class Manifest:
     """What ``manifest.json`` of a dataset directory records.
 
     Attributes:
-        target: :class:`~proxykv_hf.hub.TargetSpec` fields of the target the oracle ran on.
+        target: :class:`~proxykv_hf.checkpoint.TargetSpec` fields of the target the oracle ran on.
         proxy: :class:`~proxykv_hf.proxy.ProxySpec` fields of the proxy the features came from.
         tokenizer: the tokenizer's ``name_or_path`` (and vocabulary size).
         data_config: :class:`DataConfig` fields.

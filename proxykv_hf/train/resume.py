@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..hub import WEIGHTS_NAME
+from ..checkpoint import WEIGHTS_NAME
 from ..mapper import MapperConfig
 from .config import TrainConfig
 from .optim import WarmupPlateau
