@@ -31,9 +31,9 @@ from . import attention
 from .calls import CallTracker, check_prepared_call
 from .conversation import Conversation, check_prompt_forward
 from .fingerprints import describe_model
-from .layer import ProxyKVLayer, held_bytes
+from .layer import ProxyKVLayer, RaggedAttention, SpareSlots, held_bytes
 from .prompt import SUPPORTED_FAMILIES, check_prompt, make_prompt
-from .schedule import RaggedAttention, Schedule, SpareSlots
+from .schedule import Schedule
 from .scorers.base import LayerScorer, ModelScorer, Prompt, Scorer
 from .scoring import FusedStatistics
 from .selection import BUDGETS, check_keep_ratio, global_keep, keep_counts, select_topk

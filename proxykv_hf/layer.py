@@ -11,6 +11,10 @@ The layer then stores them **packed**: ``keys`` and ``values`` are `(1, 1, N, D)
 and head one after the other, with ``owner`` (``b * H_kv + h``) and ``position`` (logical index) per entry; later
 tokens are appended the same way. Nothing is padded, so the memory held is exactly the entries kept.
 :meth:`ProxyKVLayer.ragged_attention` computes each query head's attention over its own KV head's entries.
+
+For every forward after its compaction the cache hands the attention wrapper (:mod:`proxykv_hf.attention`) the
+layer's :class:`SpareSlots` (hide a padded batch's spare slots) or :class:`RaggedAttention` (the packed layer's own
+attention in place of the model's).
 """
 
 from __future__ import annotations
@@ -306,3 +310,44 @@ def held_bytes(layers) -> int:
                 seen.add(key)
                 total += storage.nbytes()
     return total
+
+
+# --- what the cache hands the attention wrapper (attention.py) for the forwards over a compacted layer ---
+
+
+class SpareSlots:
+    """Hand-off for a later forward over a compacted layer whose shorter rows have spare slots: hides them."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def before(self, module, attention_mask, query, key):
+        return self.layer.mask_spare_slots(attention_mask, query.shape[2], key.shape[2])
+
+    def attend(self, module, query, key, value, scaling):
+        return None
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        pass
+
+
+class RaggedAttention:
+    """Hand-off for every forward over a layer compacted under the global budget: the attention of each query head
+    over its own KV head's packed entries (:meth:`~proxykv_hf.layer.ProxyKVLayer.ragged_attention`), in place of
+    the model's."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def before(self, module, attention_mask, query, key):
+        return attention_mask
+
+    def replace(self, module, query, key, value, scaling, *, weights: bool = False):
+        return self.layer.ragged_attention(query, scaling, weights=weights)
+
+    def after(self, module, query, key, value, attention_mask, scaling):
+        pass
