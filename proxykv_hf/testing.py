@@ -1,9 +1,11 @@
-"""Tiny random models and an in-code tokenizer, shared by the tests, the docs and ``--tiny`` runs.
+"""Tiny random models, an in-code tokenizer and tiny random mapper checkpoints, shared by the tests, the docs and
+``--tiny`` runs.
 
 Everything here builds in well under a second on a CPU and needs no download::
 
     model = tiny_model("llama")
     tok = tiny_tokenizer()
+    cache = ProxyKVCache(self_proxy_scorer(model), keep_ratio=0.5)
 """
 
 from __future__ import annotations
@@ -98,3 +100,54 @@ def random_prompt(batch: int, length: int, *, seed: int = 0, pad_to: int | None 
         ids[b, width - n:] = torch.randint(4, VOCAB_SIZE, (n,), generator=gen)
         mask[b, width - n:] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_checkpoint(kind: str = "self", *, num_target_layers: int = 4):
+    """A :class:`~proxykv_hf.checkpoint.Checkpoint` of a random tiny mapper (seed 0) for a ``tiny_model("llama",
+    num_hidden_layers=num_target_layers)`` target (4 query heads, 2 KV heads), read through a proxy of ``kind``:
+    ``"model"`` (a 2-layer tiny model, e.g. ``tiny_model("llama", num_hidden_layers=2, seed=1)``), ``"layers"``
+    (every other target layer) or ``"self"`` (every target layer, the attention sums)."""
+    from .checkpoint import Checkpoint, TargetSpec
+    from .mapper import HybridAxialMapper, MapperConfig
+    from .proxy import ProxySpec, every_kth_layer
+
+    specs = {
+        "model": lambda: ProxySpec(kind="model", num_layers=2, num_heads=4, model_id="tiny-proxy"),
+        "layers": lambda: ProxySpec(kind="layers", num_layers=2, num_heads=4,
+                                    layers=every_kth_layer(num_target_layers, 2)),
+        "self": lambda: ProxySpec(kind="self", num_layers=num_target_layers, num_heads=4),
+    }
+    if kind not in specs:
+        raise ValueError(f"kind must be one of {sorted(specs)}, got {kind!r}")
+    spec = specs[kind]()
+    torch.manual_seed(0)
+    cfg = MapperConfig.tiny(num_proxy_layers=spec.num_layers, num_proxy_heads=4,
+                            num_target_layers=num_target_layers, num_target_heads=2)
+    target = TargetSpec(model_id="tiny-llama", model_type="llama", num_layers=num_target_layers, num_kv_heads=2,
+                        num_heads=4)
+    return Checkpoint(mapper=HybridAxialMapper(cfg).eval(), proxy=spec, target=target,
+                      training={"texts": 0}, metrics={"mass_recovery@0.3": 0.5})
+
+
+def self_proxy_scorer(model, **kwargs):
+    """A :class:`~proxykv_hf.scorers.proxy.ProxyScorer` with a random tiny mapper (seed 0) on ``model``'s own
+    attention (the bundled mapper's path: sum, max and lookback statistics of every layer), in float32;
+    ``kwargs``: the scorer's options."""
+    from .checkpoint import Checkpoint, TargetSpec
+    from .mapper import HybridAxialMapper, MapperConfig
+    from .proxy import ProxySpec
+    from .scorers.proxy import ProxyScorer
+
+    cfg = model.config
+    torch.manual_seed(0)
+    mapper = HybridAxialMapper(MapperConfig.tiny(num_proxy_layers=cfg.num_hidden_layers,
+                                                 num_proxy_heads=cfg.num_attention_heads,
+                                                 num_target_layers=cfg.num_hidden_layers,
+                                                 num_target_heads=cfg.num_key_value_heads, num_statistics=3,
+                                                 crop_len=32, stride=16)).eval()
+    ckpt = Checkpoint(mapper=mapper, proxy=ProxySpec(kind="self", num_layers=cfg.num_hidden_layers,
+                                                     num_heads=cfg.num_attention_heads,
+                                                     statistics=["sum", "max", "lookback"]),
+                      target=TargetSpec(model_id="tiny", model_type="llama", num_layers=cfg.num_hidden_layers,
+                                        num_kv_heads=cfg.num_key_value_heads, num_heads=cfg.num_attention_heads))
+    return ProxyScorer(ckpt, mapper_autocast=False, **kwargs)

@@ -458,3 +458,19 @@ def test_appends_after_compaction_never_change_another_holders_view():
     layer.update(step[3], step[3])
     assert torch.equal(layer.keys[:, :, 3:], torch.cat([step[0], step[3]], 2))
     assert layer.get_seq_length() == 12 and layer.keys.shape[-2] == 5
+
+
+def test_snapshot_restore():
+    target = tiny_model("llama", num_hidden_layers=4)
+    cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5)
+    first = target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
+    state = cache.snapshot()
+    before = [layer.keys.clone() for layer in cache.layers], cache.get_seq_length()
+    ids = torch.cat([first, torch.full((1, 8), 5)], 1)
+    target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3,
+                    pad_token_id=0)
+    assert cache.get_seq_length() > before[1]
+    cache.restore(state)
+    assert cache.get_seq_length() == before[1]
+    assert all(torch.equal(a, layer.keys) for a, layer in zip(before[0], cache.layers))
+    assert torch.equal(cache.conversation.ids(), first[:, :-1])  # the conversation is back as well

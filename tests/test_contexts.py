@@ -16,39 +16,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyKVPipeline, ProxyScorer, SnapKVScorer
+from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyKVPipeline, SnapKVScorer
 from proxykv_hf.cli import main
 from proxykv_hf.compat import with_cache
 from proxykv_hf.contexts import FORMAT_VERSION, HEADER_NAME, TENSORS_NAME, read_context, write_directory
-from proxykv_hf.hub import Checkpoint, TargetSpec
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
 from proxykv_hf.pipeline import compress_context
-from proxykv_hf.proxy import ProxySpec
 from proxykv_hf.selection import BUDGETS
-from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
+from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 LENGTHS = [72, 60]  # a padded batch of 2
 QUESTION_SEEDS = (11, 12, 13)
 N_NEW = 5
-
-
-def self_proxy_scorer(model, **kwargs) -> ProxyScorer:
-    """ProxyKV with a random-weight mapper on the target's own attention (the bundled mapper's path)."""
-    cfg = model.config
-    torch.manual_seed(0)
-    mapper = HybridAxialMapper(MapperConfig.tiny(num_proxy_layers=cfg.num_hidden_layers,
-                                                 num_proxy_heads=cfg.num_attention_heads,
-                                                 num_target_layers=cfg.num_hidden_layers,
-                                                 num_target_heads=cfg.num_key_value_heads, num_statistics=3,
-                                                 crop_len=32, stride=16)).eval()
-    ckpt = Checkpoint(mapper=mapper, proxy=ProxySpec(kind="self", num_layers=cfg.num_hidden_layers,
-                                                     num_heads=cfg.num_attention_heads,
-                                                     statistics=["sum", "max", "lookback"]),
-                      target=TargetSpec(model_id="tiny", model_type="llama", num_layers=cfg.num_hidden_layers,
-                                        num_kv_heads=cfg.num_key_value_heads, num_heads=cfg.num_attention_heads))
-    return ProxyScorer(ckpt, mapper_autocast=False, **kwargs)
 
 
 def question(seed: int, batch: int = 2) -> torch.Tensor:

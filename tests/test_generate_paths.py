@@ -12,8 +12,7 @@ from proxykv_hf import ProxyKVCache
 from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
 from proxykv_hf.compat import with_cache
 from proxykv_hf.scorers import ScorerContext, registry
-from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
-from test_contexts import self_proxy_scorer
+from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model, tiny_tokenizer
 
 SCORERS = [name for name in registry.names() if name != "full"] + ["proxykv_self"]
 BUDGETS = ["uniform", "global"]

@@ -114,7 +114,7 @@ def test_interpreter_end_to_end():
     """With the fused kernels on (the GPU's path, here through the interpreter), ProxyKV with a self and a
     layer-subset proxy keeps the same sets, generates the same tokens and feeds the mapper the same features
     whether the statistics take sdpa + both passes or flash attention's log-sum-exp + pass 2."""
-    done = _under_interpreter(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_proxykv.py", "-k",
+    done = _under_interpreter(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_proxy_scorer.py", "-k",
                                "fused_with_the_attention"])
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 

@@ -14,12 +14,9 @@ import torch
 from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyScorer, SnapKVScorer
 from proxykv_hf.hub import CONFIG_NAME, WEIGHTS_NAME, Checkpoint
 from proxykv_hf.pipeline import compress_context
-from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
-
-from test_contexts import self_proxy_scorer
+from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
 
 
 @pytest.fixture(scope="module")

@@ -507,9 +507,7 @@ def test_a_prefill_with_grad_mode_on_scores_without_grad(scorer):
     from proxykv_hf import ProxyKVCache, SnapKVScorer
     from proxykv_hf.compat import with_cache
     from proxykv_hf.scorers.statistic import AttentionStatisticScorer
-    from proxykv_hf.testing import random_prompt, tiny_model
-
-    from test_contexts import self_proxy_scorer
+    from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model
 
     model = tiny_model("llama")
     made = {"snapkv": lambda: SnapKVScorer(window=8), "proxy": lambda: self_proxy_scorer(model),
