@@ -80,6 +80,7 @@ def copy(saved, tmp_path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ continuing
+@pytest.mark.slow  # a new Python process loads the contexts
 def test_another_process_continues_each_saved_context(world, tmp_path):
     """Saved here, loaded in a fresh Python process: the same greedy tokens for 3 questions, for ProxyKV, KVzip and
     SnapKV under both budgets, on a padded batch of 2."""

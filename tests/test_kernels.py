@@ -94,6 +94,7 @@ def _under_interpreter(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], env=env, cwd=root, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a new Python process under Triton's CPU interpreter
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
 def test_interpreter_matches_reference():
     """Triton's CPU interpreter runs the same kernel code (KVzip's fused scores too)."""
@@ -109,6 +110,7 @@ def test_interpreter_matches_reference():
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # pytest in a new Python process under Triton's CPU interpreter
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
 def test_interpreter_end_to_end():
     """With the fused kernels on (the GPU's path, here through the interpreter), ProxyKV with a self and a
@@ -119,6 +121,7 @@ def test_interpreter_end_to_end():
     assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.slow  # pytest in a new Python process under Triton's CPU interpreter
 @pytest.mark.skipif(kernels.triton is None, reason="Triton is not installed")
 def test_interpreter_kvzip_end_to_end():
     """With the fused kernels on, KVzip's scores (its repeat queries' maxima from the kernels' second pass) still

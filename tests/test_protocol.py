@@ -300,6 +300,7 @@ def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
     assert all(name in listing for name in corpora.CORPORA)
 
 
+@pytest.mark.slow  # scripts/results_tables.py run four times, each a new Python process
 def test_results_tables_script(tmp_path):
     records = _records({"full": [1, 1, 1], "kvzip": [1, 1, 0], "proxykv": [1, 0, 0]})
     data = tmp_path / "r.jsonl"
@@ -332,6 +333,7 @@ def _results_tables(*args) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # scripts/results_tables.py in a new Python process, once per record
 def test_records_are_read_gzip_compressed(tmp_path):
     import gzip
 
@@ -356,6 +358,7 @@ def test_records_are_read_gzip_compressed(tmp_path):
     assert outputs[0] == outputs[1] and "| KVzip | 66.7 | 66.7 [" in outputs[1]
 
 
+@pytest.mark.slow  # scripts/results_tables.py in a new Python process
 def test_docs_records_are_compressed_cited_and_small():
     """docs/data keeps evaluation records as ``.jsonl.gz``; every file there is cited by a doc or a script, every
     record a doc cites is there, docs/ stays under 3 MB and docs/data under 1.2 MB."""

@@ -109,6 +109,7 @@ def test_least_recently_used_entries_are_evicted(model, tmp_path):
         ContextStore(tmp_path / "x", max_bytes=0)
 
 
+@pytest.mark.slow  # a second Python process loads torch and transformers
 def test_two_processes_fill_one_store_at_once(model, tmp_path):
     """Another process and this one ask for the same entry at the same moment: both get the context, the store ends
     with one whole entry and nothing else."""

@@ -437,6 +437,7 @@ def test_hybrid_target_keeps_full_attention_layers(tmp_path, tok, texts):
     assert out.shape[1] == enc["input_ids"].shape[1] + 2
 
 
+@pytest.mark.slow  # two Python processes under torchrun, each loading torch and transformers
 def test_two_processes_share_the_batches(self_data, tmp_path):
     """Data-parallel training (what `accelerate launch` on several GPUs runs), here as two CPU processes over gloo:
     each process takes half of the batches, the checkpoint is written once and says how many processes trained."""

@@ -101,6 +101,7 @@ def test_the_cache_keyword_is_the_installed_releases_own(model):
     assert cache_of({CACHE_KWARG: 1}) == 1
 
 
+@pytest.mark.slow  # a new Python process imports torch and transformers
 def test_a_release_outside_the_range_is_refused_with_the_range():
     check_version()  # the installed one is supported
     for version in ("4.57.1", "6.0.0", "6.1.0.dev0"):
