@@ -151,3 +151,16 @@ def self_proxy_scorer(model, **kwargs):
                       target=TargetSpec(model_id="tiny", model_type="llama", num_layers=cfg.num_hidden_layers,
                                         num_kv_heads=cfg.num_key_value_heads, num_heads=cfg.num_attention_heads))
     return ProxyScorer(ckpt, mapper_autocast=False, **kwargs)
+
+
+def pair_installed() -> bool:
+    """Whether the Qwen2.5-Coder pair's GGUF parts are installed (located, never imported), for tests marked
+    ``pair``."""
+    from .model_parts import PackagedModel
+
+    try:
+        for name in PackagedModel.names():
+            PackagedModel.get(name).locate()
+    except ImportError:
+        return False
+    return True

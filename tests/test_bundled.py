@@ -1,9 +1,13 @@
-"""The mapper checkpoint shipped in the package matches the bundled SmolLM2-135M-Instruct target."""
+"""The mapper checkpoints shipped in the package match their targets: the bundled SmolLM2-135M-Instruct (a self
+proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy)."""
 
 import pytest
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER, load_checkpoint
+from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER, BUNDLED_MAPPERS, load_checkpoint
+from proxykv_hf.testing import pair_installed
+
+PAIR_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct"
 
 
 def test_shipped_checkpoint_matches_smollm2_shape():
@@ -28,3 +32,44 @@ def test_shipped_checkpoint_runs_on_smollm2(smollm):
     model.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False)
     n = inputs["input_ids"].shape[1]
     assert cache.physical_lengths()[0] == -(-3 * n // 10) + 1
+
+
+def test_shipped_pair_checkpoint_matches_the_qwen_pair():
+    assert BUNDLED_MAPPERS["qwen2.5-coder-1.5b-instruct"] == PAIR_MAPPER and (BUNDLED_DIR / PAIR_MAPPER).is_dir()
+    ckpt = load_checkpoint(PAIR_MAPPER)  # by name, offline
+    assert ckpt.target.model_id == "qwen2.5-coder-1.5b-instruct"
+    assert (ckpt.target.num_layers, ckpt.target.num_kv_heads, ckpt.target.num_heads) == (28, 2, 12)
+    assert ckpt.proxy.kind == "model" and ckpt.proxy.model_id == "qwen2.5-coder-0.5b-instruct"
+    assert (ckpt.proxy.num_layers, ckpt.proxy.num_heads) == (24, 14)
+    cfg = ckpt.mapper.config
+    assert (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_target_layers, cfg.num_target_heads) == (24, 14, 28, 2)
+    assert cfg.num_statistics == len(ckpt.proxy.statistics)
+    # the paper's depth-proportional pairing: target layer l (1-based) reads proxy layer ceil(l * 24 / 28)
+    assert ckpt.mapper.pairing() == [-(-(l + 1) * 24 // 28) - 1 for l in range(28)]
+    assert ckpt.metrics["topk_recall@0.3"] > 0.3, "the checkpoint records its validation metrics"
+    card = (BUNDLED_DIR / PAIR_MAPPER / "README.md").read_text()
+    assert "qwen2.5-coder-0.5b-instruct" in card and "dev" in card
+
+
+
+
+@pytest.mark.pair
+@pytest.mark.slow
+@pytest.mark.skipif(not pair_installed(), reason="the Qwen pair's parts are not installed: proxykv install-models")
+def test_shipped_pair_mapper_runs_in_generate_offline(monkeypatch):
+    """``from_pretrained`` by the bundled name loads the 0.5B proxy by itself, or takes one already loaded."""
+    from proxykv_hf.compat import with_cache
+    from proxykv_hf.models import load_model_and_tokenizer, load_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tok = load_model_and_tokenizer("qwen2.5-coder-1.5b-instruct")
+    cache = ProxyKVCache.from_pretrained(PAIR_MAPPER, keep_ratio=0.3)
+    assert cache.scorer.proxy_model.config.num_hidden_layers == 24
+    inputs = tok(["The code word is azure. " * 20], return_tensors="pt")
+    n = inputs["input_ids"].shape[1]
+    out = model.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False)
+    assert out.shape[1] == n + 2
+    assert cache.physical_lengths()[0] == -(-3 * n // 10) + 1
+    proxy = load_model("qwen2.5-coder-0.5b-instruct")
+    again = ProxyKVCache.from_pretrained(PAIR_MAPPER, keep_ratio=0.3, proxy=proxy)
+    assert again.scorer.proxy_model is proxy

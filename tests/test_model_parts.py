@@ -12,6 +12,7 @@ import torch
 
 from proxykv_hf import model_parts, models
 from proxykv_hf.model_parts import PackagedModel
+from proxykv_hf.testing import pair_installed
 
 PART_BYTES = [b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)) * 3, b"tail-bytes"]
 
@@ -132,18 +133,11 @@ def test_resolve_dtype(monkeypatch):
         models.resolve_dtype("fp8")
 
 
-def _pair_installed() -> bool:
-    try:
-        for name in PackagedModel.names():
-            PackagedModel.get(name).locate()
-    except ImportError:
-        return False
-    return True
 
 
 @pytest.mark.pair
 @pytest.mark.slow
-@pytest.mark.skipif(not _pair_installed(), reason="the Qwen pair's parts are not installed: proxykv install-models")
+@pytest.mark.skipif(not pair_installed(), reason="the Qwen pair's parts are not installed: proxykv install-models")
 def test_real_pair_loads_offline():
     config = {}
     for name in PackagedModel.names():
