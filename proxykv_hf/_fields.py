@@ -1,9 +1,10 @@
-"""What the package's config dataclasses share: the check of their ``from_dict`` constructors and the dtype names
-they accept."""
+"""What the package's config dataclasses and option lists share: the check of their ``from_dict`` constructors, the
+dtype names they accept, and old spellings of renamed options."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -34,3 +35,12 @@ def drop_removed_fields(data: dict[str, Any], removed: dict[str, Any], where: st
                 raise ValueError(f"{where} field {name!r} was removed; only its neutral value {neutral!r} is "
                                  f"accepted, got {value!r}")
     return {k: v for k, v in data.items() if k not in removed}
+
+
+def renamed_option(value: Any, old_value: Any, owner: str, old: str, new: str) -> Any:
+    """``value``, or ``old_value`` where a caller still passes the option by its old name ``old`` (not None), with a
+    ``FutureWarning`` naming the new one."""
+    if old_value is None:
+        return value
+    warnings.warn(f"{owner}({old}=...) is deprecated; use {new}=...", FutureWarning, stacklevel=3)
+    return old_value

@@ -78,17 +78,17 @@ def decoder_flops(config, n: int, *, layers: list[int] | None = None, causal: bo
     return {"linear": 2 * n * per_token * len(chosen), "attention": 2 * qk, "qk": qk}
 
 
-def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, chunk_size: int = 2048, n_sink: int = 4,
+def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, context_chunk: int = 2048, n_sink: int = 4,
                 query_block: int = 128, causal: bool = True, layers: list[int] | None = None) -> dict[str, int]:
     """FLOPs of KVzip's scoring after the prefill (:class:`~proxykv_hf.scorers.kvzip.KVzipScorer`): one repeat
-    forward per ``chunk_size`` context tokens over the whole context, and the scoring softmax of every layer.
+    forward per ``context_chunk`` context tokens over the whole context, and the scoring softmax of every layer.
 
     Args:
         config: the target's config (no sliding-window layers: the repeat's key ranges there are not counted).
         n: context tokens.
         first_extra: template tokens of the first chunk's repeat input (prompt + postfix).
         later_extra: template tokens of every later chunk's (prompt + quoted tail of the previous chunk + postfix).
-        chunk_size, n_sink: as in ``KVzipScorer``.
+        context_chunk, n_sink: as in ``KVzipScorer``.
         query_block: repeat queries per scoring block (``kvzip._QUERY_BLOCK``).
         causal: count each repeat token's keys as the mask shows them (the context and the repeat up to itself);
             False counts the dense rectangle an eager attention computes.
@@ -103,8 +103,8 @@ def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, chunk_siz
         raise ValueError("KVzip FLOP counts cover models without sliding-window layers")
     heads, _, head_dim = attention_shape(config)
     repeat = scoring = 0
-    for i, start in enumerate(range(0, n, chunk_size)):
-        length = min(chunk_size, n - start)
+    for i, start in enumerate(range(0, n, context_chunk)):
+        length = min(context_chunk, n - start)
         q = (first_extra if i == 0 else later_extra) + length
         pairs = q * n + (q * (q + 1) // 2 if causal else q * q)
         forward = decoder_flops(config, q, layers=chosen)  # the linear layers of q tokens
@@ -117,7 +117,7 @@ def kvzip_flops(config, n: int, *, first_extra: int, later_extra: int, chunk_siz
 
 
 def kvzip_prefill_flops(target_config, n: int, *, first_extra: int, later_extra: int, scored_config=None,
-                        chunk_size: int = 2048, n_sink: int = 4) -> dict[str, int]:
+                        context_chunk: int = 2048, n_sink: int = 4) -> dict[str, int]:
     """FLOPs of one ``n``-token prefill with KVzip, or with KVzip+IAM where ``scored_config`` (the proxy's config,
     or a layer subset's) is given: ``{"target", ["proxy",] "repeat", "scoring", "total"}``, the proxy's own prefill
     counted under ``"proxy"``. Template sizes and chunking as in :func:`kvzip_flops`."""
@@ -128,7 +128,7 @@ def kvzip_prefill_flops(target_config, n: int, *, first_extra: int, later_extra:
         scored = scored_config
         proxy = decoder_flops(scored, n)
         parts["proxy"] = proxy["linear"] + proxy["attention"]
-    parts.update(kvzip_flops(scored, n, first_extra=first_extra, later_extra=later_extra, chunk_size=chunk_size,
+    parts.update(kvzip_flops(scored, n, first_extra=first_extra, later_extra=later_extra, context_chunk=context_chunk,
                              n_sink=n_sink))
     return {**parts, "total": sum(parts.values())}
 
@@ -136,7 +136,7 @@ def kvzip_prefill_flops(target_config, n: int, *, first_extra: int, later_extra:
 def kvzip_template_tokens(scorer, tokenizer=None) -> tuple[int, int]:
     """``(first_extra, later_extra)`` of :func:`kvzip_flops` for a ``KVzipScorer`` and its tokenizer."""
     first, later, postfix = scorer.templates(tokenizer or scorer.tokenizer)
-    quoted = min(scorer.prev_postfix_size, scorer.chunk_size)
+    quoted = min(scorer.prev_postfix_size, scorer.context_chunk)
     return len(first) + len(postfix), len(later) + quoted + len(postfix)
 
 

@@ -60,7 +60,7 @@ def compressed(model, scorer, budget: str = "uniform", *, seed: int = 5) -> Prox
 @pytest.fixture(scope="module")
 def world():
     model = tiny_model("llama")
-    scorers = {"proxykv": self_proxy_scorer(model), "kvzip": KVzipScorer(tiny_tokenizer(), chunk_size=16),
+    scorers = {"proxykv": self_proxy_scorer(model), "kvzip": KVzipScorer(tiny_tokenizer(), context_chunk=16),
                "snapkv": SnapKVScorer(window=8)}
     return model, tiny_tokenizer(), scorers
 

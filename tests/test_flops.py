@@ -121,7 +121,7 @@ def _kvzip_setup(chunk_size):
     from proxykv_hf.testing import tiny_tokenizer
 
     tok = tiny_tokenizer()
-    return tok, kvzip_template_tokens(KVzipScorer(tok, chunk_size=chunk_size))
+    return tok, kvzip_template_tokens(KVzipScorer(tok, context_chunk=chunk_size))
 
 
 @pytest.mark.parametrize("n, chunk_size", [(33, 2048), (70, 32), (100, 40)])
@@ -132,11 +132,11 @@ def test_kvzip_flops_equal_torch_counter(n, chunk_size):
     model = tiny_model("llama", attn_implementation="eager", **SHAPE)
     tok, (first, later) = _kvzip_setup(chunk_size)
     ids = torch.randint(5, 100, (1, n))
-    counted = _counted(model, lambda m: kvzip_scores(m, ids, tokenizer=tok, chunk_size=chunk_size))
+    counted = _counted(model, lambda m: kvzip_scores(m, ids, tokenizer=tok, context_chunk=chunk_size))
     prefill = decoder_flops(model.config, n, causal=False)
-    ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, causal=False)
+    ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, context_chunk=chunk_size, causal=False)
     assert prefill["linear"] + prefill["attention"] + ours["repeat"] + ours["scoring"] == counted
-    causal = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size)
+    causal = kvzip_flops(model.config, n, first_extra=first, later_extra=later, context_chunk=chunk_size)
     assert causal["scoring"] == ours["scoring"] and causal["repeat"] < ours["repeat"]
 
 
@@ -148,20 +148,20 @@ def test_kvzip_iam_flops_on_a_layer_subset_equal_torch_counter():
     model = tiny_model("llama", attn_implementation="eager", num_hidden_layers=5, **SHAPE)
     n, chunk_size = 60, 32
     tok, (first, later) = _kvzip_setup(chunk_size)
-    scorer = KVzipIAMScorer(tok, chunk_size=chunk_size)
+    scorer = KVzipIAMScorer(tok, context_chunk=chunk_size)
     ids = torch.randint(5, 100, (1, n))
     counted = _counted(model, lambda m: scorer.proxy_scores(m, ids))
     layers = [2, 4]  # every third of five, and the last
     proxy = decoder_flops(model.config, n, layers=layers, causal=False)
-    ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, causal=False,
+    ours = kvzip_flops(model.config, n, first_extra=first, later_extra=later, context_chunk=chunk_size, causal=False,
                        layers=layers)
     assert proxy["linear"] + proxy["attention"] + ours["repeat"] + ours["scoring"] == counted
     # the whole KVzip+IAM prefill, the subset's config standing for the proxy's (as layer_subset builds it)
     sub = decoder_of(layer_subset(model, layers)).config
     whole = kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later, scored_config=sub,
-                                chunk_size=chunk_size)
+                                context_chunk=chunk_size)
     target, proxy = decoder_flops(model.config, n), decoder_flops(model.config, n, layers=layers)
-    causal = kvzip_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=chunk_size, layers=layers)
+    causal = kvzip_flops(model.config, n, first_extra=first, later_extra=later, context_chunk=chunk_size, layers=layers)
     assert whole == {"target": target["linear"] + target["attention"], "proxy": proxy["linear"] + proxy["attention"],
                      **causal, "total": target["linear"] + target["attention"] + proxy["linear"]
                      + proxy["attention"] + causal["repeat"] + causal["scoring"]}

@@ -141,7 +141,7 @@ def test_global_cache_holds_its_nominal_budget(scorer):
     it here) plus the tokens added later; heads keep different amounts."""
     model = tiny_model("llama", num_hidden_layers=4)
     inputs = random_prompt(2, 120, lengths=[120, 90], seed=4)
-    make = {"kvzip": lambda: KVzipScorer(tiny_tokenizer(), chunk_size=64), "snapkv": lambda: SnapKVScorer(window=8)}
+    make = {"kvzip": lambda: KVzipScorer(tiny_tokenizer(), context_chunk=64), "snapkv": lambda: SnapKVScorer(window=8)}
     cache = ProxyKVCache(make[scorer](), keep_ratio=0.2, budget="global")
     model.generate(**inputs, past_key_values=cache, max_new_tokens=5, **GEN)
     L, H = len(cache.compactable_layers()), model.config.num_key_value_heads

@@ -150,7 +150,7 @@ def test_global_budget_on_cuda_matches_cpu(padded):
     runs = {}
     for device in ("cpu", "cuda"):
         model = tiny_model("llama", num_hidden_layers=4).to(device)
-        cache = ProxyKVCache(KVzipScorer(tiny_tokenizer(), chunk_size=32), keep_ratio=0.3, budget="global")
+        cache = ProxyKVCache(KVzipScorer(tiny_tokenizer(), context_chunk=32), keep_ratio=0.3, budget="global")
         out = model.generate(**{k: v.to(device) for k, v in inputs.items()}, past_key_values=cache, max_new_tokens=6,
                              do_sample=False, pad_token_id=0)
         runs[device] = out.cpu(), cache.kept_sets(), cache.held_entries()

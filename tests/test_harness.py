@@ -27,7 +27,7 @@ def _record(model, ids, scorer) -> RecordingCache:
 
 def _members():
     return {"max": AttentionStatisticScorer("max"), "sum": AttentionStatisticScorer("sum", group_reduce="mean"),
-            "novelty": AttentionStatisticScorer("lookback", pool_kernel=3)}
+            "novelty": AttentionStatisticScorer("lookback", kernel_size=3)}
 
 
 @pytest.mark.parametrize("members", [_members, lambda: {"snapkv": SnapKVScorer(window=4),

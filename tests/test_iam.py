@@ -21,14 +21,14 @@ def test_default_alignment_and_scores(target):
     tok = tiny_tokenizer()
     proxy = tiny_model("llama", num_hidden_layers=2, num_key_value_heads=1, seed=3)
     inputs = random_prompt(2, 40, lengths=[40, 30], seed=1)
-    scorer = KVzipIAMScorer(tok, proxy=proxy, chunk_size=32)
+    scorer = KVzipIAMScorer(tok, proxy=proxy, context_chunk=32)
     cache = ProxyKVCache(scorer, keep_ratio=0.3)
     target.generate(**inputs, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert cache.scorer.layer_map == [0, 0, 0, 1, 1, 1]  # ceil(l * 2 / 6) - 1 (on the cache's own copy)
     assert cache.scorer.head_map == [[0, 0]] * 6  # two target KV heads read the proxy's single KV head
     assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 2] * 6
     # the kept set is the Top-K of the proxy's KVzip scores of the aligned layer
-    y = kvzip_scores(proxy, inputs["input_ids"], inputs["attention_mask"], tokenizer=tok, chunk_size=32)
+    y = kvzip_scores(proxy, inputs["input_ids"], inputs["attention_mask"], tokenizer=tok, context_chunk=32)
     from proxykv_hf.selection import select_topk
 
     idx, _ = select_topk(y[1][:, [0, 0]], 0.3, inputs["attention_mask"].bool(), n_sink=4)
@@ -39,7 +39,7 @@ def test_calibration_recovers_a_known_alignment(target):
     """With the target itself as proxy, each layer and head aligns to itself."""
     tok = tiny_tokenizer()
     inputs = random_prompt(2, 36, seed=2)
-    scorer = KVzipIAMScorer(tok, proxy=target, chunk_size=64).calibrate(target, **inputs)
+    scorer = KVzipIAMScorer(tok, proxy=target, context_chunk=64).calibrate(target, **inputs)
     assert scorer.layer_map == list(range(6))
     assert scorer.head_map == [[0, 1]] * 6
 
@@ -63,9 +63,9 @@ def test_layer_subset_proxy_scores_on_a_model_not_yet_opted_in():
     tok = tiny_tokenizer()
     inputs = random_prompt(1, 40, seed=4)
     fresh = tiny_model("llama", num_hidden_layers=6)
-    scores = KVzipIAMScorer(tok, layers=[1, 4], chunk_size=32).proxy_scores(fresh, **inputs)
+    scores = KVzipIAMScorer(tok, layers=[1, 4], context_chunk=32).proxy_scores(fresh, **inputs)
     want = kvzip_scores(layer_subset(tiny_model("llama", num_hidden_layers=6), [1, 4]), inputs["input_ids"],
-                        tokenizer=tok, chunk_size=32)
+                        tokenizer=tok, context_chunk=32)
     assert scores.shape == (2, 1, 2, 40) and torch.allclose(scores, want)
 
 
@@ -75,10 +75,10 @@ def test_settings_name_the_proxy_and_stay_the_same_after_compressing(tmp_path):
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     proxies = [tiny_model("llama", seed=s, num_hidden_layers=2) for s in (1, 2)]
-    pipes = [ProxyKVPipeline(model, tok, KVzipIAMScorer(tok, proxy=p, chunk_size=16), keep_ratio=0.3) for p in proxies]
+    pipes = [ProxyKVPipeline(model, tok, KVzipIAMScorer(tok, proxy=p, context_chunk=16), keep_ratio=0.3) for p in proxies]
     store, text = ContextStore(tmp_path / "store"), "The code word is ZEBRA-42 and the door opens at nine. " * 3
     assert store.key(pipes[0], text) != store.key(pipes[1], text)
-    scorer = KVzipIAMScorer(tok, chunk_size=16)
+    scorer = KVzipIAMScorer(tok, context_chunk=16)
     before = scorer.settings()
     ids = random_prompt(1, 60, seed=2)["input_ids"]
     cache = compress_context(model, ProxyKVCache(scorer, 0.3), ids)

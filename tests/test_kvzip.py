@@ -89,7 +89,7 @@ def naive_kvzip(model, ctx: list[int], tok, chunk_size: int, prev: int, n_sink: 
 
 def test_templates_and_repeat_inputs(tok):
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    scorer = KVzipScorer(tok, chunk_size=16, prev_postfix_size=8)
+    scorer = KVzipScorer(tok, context_chunk=16, prev_postfix_size=8)
     assert scorer.templates(tok) == (enc(FIRST), enc(LATER), enc(TINY_POSTFIX))
     ctx = list(range(10, 50))  # 40 tokens -> chunks [0,16) [16,32) [32,40)
     reps = scorer.repeat_inputs(ctx)
@@ -100,10 +100,10 @@ def test_templates_and_repeat_inputs(tok):
     # no chat template, or not asked to use it: plain "\n" closes the prompt (kvpress's fallback)
     plain = KVzipScorer(tok, use_chat_template=False)
     assert plain.templates(tok)[2] == enc("\n")
-    assert KVzipScorer(tok, prev_postfix_size=0, chunk_size=16).repeat_inputs(ctx)[1][2] == \
+    assert KVzipScorer(tok, prev_postfix_size=0, context_chunk=16).repeat_inputs(ctx)[1][2] == \
         enc(LATER) + enc(TINY_POSTFIX) + ctx[16:32]
     # chunks shorter than prev_postfix_size are quoted whole
-    short = KVzipScorer(tok, chunk_size=3, prev_postfix_size=8).repeat_inputs(ctx[:7])
+    short = KVzipScorer(tok, context_chunk=3, prev_postfix_size=8).repeat_inputs(ctx[:7])
     assert [rep for _, _, rep in short] == [enc(FIRST) + enc(TINY_POSTFIX) + ctx[:3],
                                             enc(LATER) + ctx[:3] + enc(TINY_POSTFIX) + ctx[3:6],
                                             enc(LATER) + ctx[3:6] + enc(TINY_POSTFIX) + ctx[6:7]]
@@ -118,7 +118,7 @@ def test_scores_equal_naive_reference(tok, family, chunk_size, block, monkeypatc
     model = tiny_model(family)
     inputs = random_prompt(1, 40, seed=1)
     layers = full_attention_layers(model)
-    got = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=chunk_size)[layers, 0]  # (L_full, H_kv, T)
+    got = kvzip_scores(model, **inputs, tokenizer=tok, context_chunk=chunk_size)[layers, 0]  # (L_full, H_kv, T)
     ref = naive_kvzip(model, inputs["input_ids"][0].tolist(), tok, chunk_size, 8, 4)[layers]
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
     assert float(got.min()) > 0 and float(got.max()) <= 1.0
@@ -130,7 +130,7 @@ def test_scores_equal_naive_reference(tok, family, chunk_size, block, monkeypatc
        seed=st.integers(0, 100))
 def test_scores_equal_naive_reference_any_chunking(llama, tok, T, chunk_size, prev, n_sink, seed):
     inputs = random_prompt(1, T, seed=seed)
-    got = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=chunk_size, prev_postfix_size=prev,
+    got = kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=chunk_size, prev_postfix_size=prev,
                        n_sink=n_sink)[:, 0]
     ref = naive_kvzip(llama, inputs["input_ids"][0].tolist(), tok, chunk_size, prev, n_sink)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
@@ -147,9 +147,9 @@ def test_chunking_invariants(llama, tok):
       for random chunk sizes; here only the [0, 1] range is checked.
     """
     inputs = random_prompt(1, 40, seed=2)
-    one = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=40)
-    assert torch.equal(one, kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=10**6))
-    small = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=8)
+    one = kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=40)
+    assert torch.equal(one, kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=10**6))
+    small = kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=8)
     assert not torch.allclose(one, small)
     assert float(small.min()) >= 0 and float(small.max()) <= 1
 
@@ -164,11 +164,11 @@ def test_left_padded_batch_equals_rows_alone(tok, family, block, monkeypatch):
         emb[tok.pad_token_id] = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0))
     lengths = [40, 23]  # chunk 16: 3 and 2 chunks (the second row is absent from the last forward)
     batch = random_prompt(2, 40, lengths=lengths, seed=3)
-    got = kvzip_scores(model, **batch, tokenizer=tok, chunk_size=16)
+    got = kvzip_scores(model, **batch, tokenizer=tok, context_chunk=16)
     assert got.shape == (model.config.num_hidden_layers, 2, model.config.num_key_value_heads, 40)
     for b, n in enumerate(lengths):
         alone = {k: v[b:b + 1, -n:] for k, v in batch.items()}
-        ref = kvzip_scores(model, **alone, tokenizer=tok, chunk_size=16)
+        ref = kvzip_scores(model, **alone, tokenizer=tok, context_chunk=16)
         torch.testing.assert_close(got[:, b, :, 40 - n:], ref[:, 0], rtol=0, atol=1e-5)
         assert torch.all(got[:, b, :, :40 - n] == 0)  # padding scores 0
 
@@ -177,7 +177,7 @@ def test_sinks_score_one_and_sliding_layers_are_zero(tok):
     model = tiny_model("gemma3", num_hidden_layers=6)
     layers = full_attention_layers(model)
     assert layers == [2, 5]
-    s = kvzip_scores(model, **random_prompt(1, 30, seed=4), tokenizer=tok, chunk_size=12)
+    s = kvzip_scores(model, **random_prompt(1, 30, seed=4), tokenizer=tok, context_chunk=12)
     assert torch.all(s[layers][..., :4] == 1.0)
     assert torch.all(s[layers][..., 4:] < 1.0)
     assert torch.all(s[[0, 1, 3, 4]] == 0)
@@ -186,10 +186,10 @@ def test_sinks_score_one_and_sliding_layers_are_zero(tok):
 
 def test_dtype_option(llama, tok):
     inputs = random_prompt(1, 30, seed=5)
-    ref = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=12)
-    torch.testing.assert_close(kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=12, dtype=torch.float64),
+    ref = kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=12)
+    torch.testing.assert_close(kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=12, dtype=torch.float64),
                                ref, rtol=0, atol=1e-6)
-    half = kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=12, dtype=torch.bfloat16)
+    half = kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=12, dtype=torch.bfloat16)
     torch.testing.assert_close(half, ref, rtol=0, atol=2e-2)
 
 
@@ -201,7 +201,7 @@ def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
     inputs = random_prompt(1, N, seed=6)
     kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     full = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
-    cache = ProxyKVCache(KVzipScorer(tok, chunk_size=16), keep_ratio=rho)
+    cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=rho)
     out = model.generate(**inputs, past_key_values=cache, **kw)
     # the first token comes from the full prefill, untouched by the nested repeat forwards
     torch.testing.assert_close(out.logits[0], full.logits[0], rtol=0, atol=0)
@@ -210,7 +210,7 @@ def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
     ref_cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(**inputs, past_key_values=ref_cache)
-    scores = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
+    scores = kvzip_scores(model, **inputs, tokenizer=tok, context_chunk=16)
     compacted = cache.compactable_layers()
     assert compacted == full_attention_layers(model)
     for i in compacted:
@@ -231,11 +231,11 @@ def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
 def test_generate_padded_batch(tok):
     model = tiny_model("llama")
     batch = random_prompt(2, 36, lengths=[36, 25], seed=7)
-    cache = ProxyKVCache(KVzipScorer(tok, chunk_size=16), keep_ratio=0.3)
+    cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=0.3)
     out = model.generate(**batch, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 39)
     assert cache.layers[0].keys.shape[-2] == math.ceil(0.3 * 36) + 2
-    scores = kvzip_scores(model, **batch, tokenizer=tok, chunk_size=16)
+    scores = kvzip_scores(model, **batch, tokenizer=tok, context_chunk=16)
     idx, _ = select_topk(scores[0], 0.3, batch["attention_mask"].bool(), n_sink=4)
     assert torch.equal(cache.layers[0].kept_positions, idx)
 
@@ -245,16 +245,16 @@ def test_tokenizer_from_model_path(tmp_path, tok, llama):
     model = tiny_model("llama")
     model.config._name_or_path = str(tmp_path)
     inputs = random_prompt(1, 30, seed=8)
-    cache = ProxyKVCache(KVzipScorer(chunk_size=16), keep_ratio=0.5)
+    cache = ProxyKVCache(KVzipScorer(context_chunk=16), keep_ratio=0.5)
     with torch.no_grad():
         model(**inputs, past_key_values=cache)
     assert cache.layers[0].keys.shape[-2] == 15
     torch.testing.assert_close(
-        kvzip_scores(model, **inputs, chunk_size=16), kvzip_scores(llama, **inputs, tokenizer=tok, chunk_size=16))
+        kvzip_scores(model, **inputs, context_chunk=16), kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=16))
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(chunk_size=0), "chunk_size"), (dict(chunk_size=2.5), "chunk_size"),
+    (dict(context_chunk=0), "context_chunk"), (dict(context_chunk=2.5), "context_chunk"),
     (dict(prev_postfix_size=-1), "prev_postfix_size"), (dict(n_sink=-1), "n_sink"), (dict(n_sink=True), "n_sink"),
     (dict(use_chat_template="yes"), "use_chat_template"), (dict(dtype=torch.int64), "dtype"),
     (dict(dtype="float32"), "dtype"),
@@ -262,6 +262,24 @@ def test_tokenizer_from_model_path(tmp_path, tok, llama):
 def test_bad_arguments(tok, kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVzipScorer(tok, **kwargs)
+
+
+def test_chunk_size_is_the_old_spelling_of_context_chunk(tok):
+    from proxykv_hf.scorers import KVzipIAMScorer
+
+    with pytest.warns(FutureWarning, match=r"KVzipScorer\(chunk_size=\.\.\.\) is deprecated; use context_chunk"):
+        assert KVzipScorer(tok, chunk_size=16).context_chunk == 16
+    with pytest.warns(FutureWarning, match="use context_chunk"):
+        assert KVzipIAMScorer(tok, chunk_size=16).context_chunk == 16
+    assert "chunk_size" not in KVzipScorer(tok, context_chunk=16).settings()
+
+
+def test_pool_kernel_is_the_old_spelling_of_kernel_size():
+    from proxykv_hf.scorers import AttentionStatisticScorer
+
+    with pytest.warns(FutureWarning, match=r"AttentionStatisticScorer\(pool_kernel=\.\.\.\) is deprecated"):
+        assert AttentionStatisticScorer("max", pool_kernel=3).kernel_size == 3
+    assert AttentionStatisticScorer("max", kernel_size=5).settings()["kernel_size"] == 5
 
 
 def test_bad_inputs(tok, llama):
@@ -305,12 +323,12 @@ def test_unpadded_repeat_attention_is_said_causal(tok, lengths, monkeypatch):
         return out
 
     monkeypatch.setattr(kvzip_module._LayerCall, "before", spy)
-    got = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
+    got = kvzip_scores(model, **inputs, tokenizer=tok, context_chunk=16)
     L = model.config.num_hidden_layers  # three rounds of chunks of 16 over 40 tokens, every layer
     # padded: rounds 0 and 1 include the 30-token row (left padded), round 2 holds the 40-token row alone
     assert handed == ["CausalBias"] * 3 * L if lengths is None else ["Tensor"] * 2 * L + ["CausalBias"] * L
     monkeypatch.setattr(kvzip_module._LayerCall, "before", lambda self, module, mask, query, key: mask)
-    dense = kvzip_scores(model, **inputs, tokenizer=tok, chunk_size=16)
+    dense = kvzip_scores(model, **inputs, tokenizer=tok, context_chunk=16)
     torch.testing.assert_close(got, dense, rtol=0, atol=1e-6)
 
 
@@ -369,5 +387,5 @@ def test_bundled_model_finds_its_own_tokenizer(smollm):
     model, tok = smollm
     assert model.config.name_or_path == "smollm2-135m-instruct"
     ids = torch.tensor([tok.encode("The sky is blue. The grass is green. Roses are red. " * 2)])
-    own = kvzip_scores(model, ids, chunk_size=64)
-    torch.testing.assert_close(own, kvzip_scores(model, ids, tokenizer=tok, chunk_size=64))
+    own = kvzip_scores(model, ids, context_chunk=64)
+    torch.testing.assert_close(own, kvzip_scores(model, ids, tokenizer=tok, context_chunk=64))

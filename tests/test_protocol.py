@@ -262,7 +262,7 @@ def test_statistic_scorer_in_generate(statistic):
     ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
     same = model.generate(**inputs, past_key_values=ProxyKVCache(AttentionStatisticScorer(statistic), 1.0), **kw)
     assert torch.equal(ref, same)
-    cache = ProxyKVCache(AttentionStatisticScorer(statistic, pool_kernel=3), keep_ratio=0.4)
+    cache = ProxyKVCache(AttentionStatisticScorer(statistic, kernel_size=3), keep_ratio=0.4)
     out = model.generate(**inputs, past_key_values=cache, **kw)
     assert out.shape == ref.shape
     assert cache.layers[0].keys.shape[-2] == 12 + 3  # ceil(0.4 * 30) kept + the tokens added later

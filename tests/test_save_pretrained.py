@@ -111,7 +111,7 @@ def test_push_to_hub_uploads_what_save_pretrained_writes(model, monkeypatch):
 
 
 def test_settings_are_json_and_tell_scorers_apart(model):
-    scorers = [SnapKVScorer(), SnapKVScorer(window=8), KVzipScorer(tiny_tokenizer(), chunk_size=16),
+    scorers = [SnapKVScorer(), SnapKVScorer(window=8), KVzipScorer(tiny_tokenizer(), context_chunk=16),
                self_proxy_scorer(model), self_proxy_scorer(model, n_sink=8), trained_scorer(model)]
     settings = [json.dumps(s.settings(), sort_keys=True) for s in scorers]
     assert len(set(settings)) == len(scorers)

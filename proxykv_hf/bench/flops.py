@@ -37,14 +37,14 @@ def _proxykv(scorer: ProxyScorer, model, n: int) -> dict[str, float]:
 
 def _kvzip(scorer: KVzipScorer, model, n: int) -> dict[str, float]:
     first, later = kvzip_template_tokens(scorer, scorer._tokenizer_for(model))
-    return kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later, chunk_size=scorer.chunk_size,
+    return kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later, context_chunk=scorer.context_chunk,
                                n_sink=scorer.n_sink)
 
 
 def _kvzip_iam(scorer: KVzipIAMScorer, model, n: int) -> dict[str, float]:
-    first, later = kvzip_template_tokens(KVzipScorer(scorer.tokenizer, chunk_size=scorer.chunk_size))
+    first, later = kvzip_template_tokens(KVzipScorer(scorer.tokenizer, context_chunk=scorer.context_chunk))
     return kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later,
-                               scored_config=scorer._runner(model).config, chunk_size=scorer.chunk_size,
+                               scored_config=scorer._runner(model).config, context_chunk=scorer.context_chunk,
                                n_sink=scorer.n_sink)
 
 

@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from .._fields import renamed_option
 from ..proxy import every_kth_layer, layer_subset
 from .base import LayerInputs, LayerScorer, Prompt
 from ..model_layout import full_attention_layers
@@ -38,23 +39,25 @@ class KVzipIAMScorer(LayerScorer):
         tokenizer: the (shared) tokenizer, for KVzip's repeat prompts.
         proxy: a separate proxy model; None runs a subset of the target's layers.
         layers: target layers of the layer-subset proxy (default every 3rd); ignored with ``proxy``.
-        chunk_size: KVzip's reconstruction chunk.
+        context_chunk: KVzip's reconstruction chunk (context tokens per forward); ``chunk_size`` is its deprecated
+            spelling.
         n_sink: first tokens always kept (KVzip's sinks).
     """
 
     needs_input_ids = True
 
-    def __init__(self, tokenizer=None, *, proxy=None, layers: list[int] | None = None, chunk_size: int = 2048,
-                 n_sink: int = N_SINK):
+    def __init__(self, tokenizer=None, *, proxy=None, layers: list[int] | None = None, context_chunk: int = 2048,
+                 n_sink: int = N_SINK, chunk_size: int | None = None):
         self.tokenizer, self.proxy, self.layers = tokenizer, proxy, layers
-        self.chunk_size, self.n_sink = chunk_size, n_sink
+        self.context_chunk = renamed_option(context_chunk, chunk_size, "KVzipIAMScorer", "chunk_size", "context_chunk")
+        self.n_sink = n_sink
         self.layer_map: list[int] | None = None  # compacted-layer index -> proxy layer index
         self.head_map: list[list[int]] | None = None  # [target layer][target KV head] -> proxy KV head
         self._scores: torch.Tensor | None = None
         self._filled = None  # (layer_map, head_map) as prepare() filled them in: the default, not a setting
 
     def fresh(self) -> "KVzipIAMScorer":
-        clone = KVzipIAMScorer(self.tokenizer, proxy=self.proxy, layers=self.layers, chunk_size=self.chunk_size,
+        clone = KVzipIAMScorer(self.tokenizer, proxy=self.proxy, layers=self.layers, context_chunk=self.context_chunk,
                                n_sink=self.n_sink)
         clone.layer_map, clone.head_map, clone._filled = self.layer_map, self.head_map, self._filled
         return clone
@@ -82,7 +85,7 @@ class KVzipIAMScorer(LayerScorer):
         """KVzip scores `(L_s, B, H_s, T)` on the proxy's full-attention layers."""
         runner = self._runner(target)
         scores = kvzip_scores(runner, input_ids.to(next(runner.parameters()).device), attention_mask,
-                              tokenizer=self.tokenizer, chunk_size=self.chunk_size, n_sink=self.n_sink)
+                              tokenizer=self.tokenizer, context_chunk=self.context_chunk, n_sink=self.n_sink)
         return scores[full_attention_layers(runner)]
 
     def _default_maps(self, n_target: int, h_target: int, n_proxy: int, h_proxy: int) -> None:
@@ -94,7 +97,7 @@ class KVzipIAMScorer(LayerScorer):
     def calibrate(self, target, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> "KVzipIAMScorer":
         """Fix the alignment from calibration prompts: KVzip on target and proxy, best-correlated layer and head."""
-        y_t = kvzip_scores(target, input_ids, attention_mask, tokenizer=self.tokenizer, chunk_size=self.chunk_size,
+        y_t = kvzip_scores(target, input_ids, attention_mask, tokenizer=self.tokenizer, context_chunk=self.context_chunk,
                            n_sink=self.n_sink)[full_attention_layers(target)]  # (L_t, B, H_t, T)
         y_s = self.proxy_scores(target, input_ids, attention_mask).to(y_t.device)  # (L_s, B, H_s, T)
         a = y_t[:, None, :, :, None, :]  # (L_t, 1, B, H_t, 1, T)

@@ -2,7 +2,7 @@
 (Kim et al., 2025, arXiv:2505.23416). The oracle ProxyKV is trained against.
 
 After the prefill, the model is teacher-forced to reconstruct its own context, chunk by chunk, from a cache that
-holds the full context K/V. For chunk ``i`` (``chunk_size`` real tokens) the repeat input is::
+holds the full context K/V. For chunk ``i`` (``context_chunk`` real tokens) the repeat input is::
 
     chunk 0:  "\\n\\nRepeat the previous context exactly." + postfix + chunk_0
     chunk i:  "\\n\\nRepeat the part of the previous context exactly, starting with" + last prev_postfix_size
@@ -48,6 +48,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import attention, kernels
+from .._fields import renamed_option
 from ..compat import with_cache
 from ..model_layout import full_attention_layers
 from .base import ModelScorer, Prompt
@@ -76,7 +77,8 @@ class KVzipScorer(ModelScorer):
         tokenizer: the model's tokenizer (used for the repeat prompts and the chat-template postfix). None: loaded
             from ``model.config.name_or_path`` with ``local_files_only=True`` at the first prompt
             (:func:`~proxykv_hf.models.load_tokenizer`, so the bundled default's name finds its tokenizer too).
-        chunk_size: real context tokens reconstructed per forward (kvpress: 2048, reference: 2000).
+        context_chunk: real context tokens reconstructed per forward (kvpress: 2048, reference: 2000); the
+            deprecated spelling ``chunk_size`` still works.
         prev_postfix_size: tokens of the previous chunk quoted in the prompt of the next one.
         n_sink: first real tokens that join every chunk's softmax (when they precede the chunk), get score 1.0
             and are always kept.
@@ -88,17 +90,18 @@ class KVzipScorer(ModelScorer):
         cache = ProxyKVCache(KVzipScorer(tokenizer), keep_ratio=0.3)
         out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= before transformers 5.24
 
-    The scorer runs ``ceil(T / chunk_size)`` extra forwards of about ``chunk_size + 30`` tokens each over the full
+    The scorer runs ``ceil(T / context_chunk)`` extra forwards of about ``context_chunk + 30`` tokens each over the full
     context: about 1-2 prefills of extra compute.
     """
 
     needs_input_ids = True
 
-    def __init__(self, tokenizer=None, *, chunk_size: int = 2048, prev_postfix_size: int = 8, n_sink: int = N_SINK,
-                 use_chat_template: bool = True, dtype: torch.dtype | None = None):
+    def __init__(self, tokenizer=None, *, context_chunk: int = 2048, prev_postfix_size: int = 8, n_sink: int = N_SINK,
+                 use_chat_template: bool = True, dtype: torch.dtype | None = None, chunk_size: int | None = None):
         if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "apply_chat_template")):
             raise ValueError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}")
-        self.chunk_size = _check_int("chunk_size", chunk_size, 1)
+        context_chunk = renamed_option(context_chunk, chunk_size, "KVzipScorer", "chunk_size", "context_chunk")
+        self.context_chunk = _check_int("context_chunk", context_chunk, 1)
         self.prev_postfix_size = _check_int("prev_postfix_size", prev_postfix_size, 0)
         self.n_sink = _check_int("n_sink", n_sink, 0)
         if not isinstance(use_chat_template, bool):
@@ -162,7 +165,7 @@ class KVzipScorer(ModelScorer):
             ``[(start, end, repeat_ids), ...]``: chunk ``context_ids[start:end]`` and the ids fed to the model for it.
         """
         first, later, postfix = self.templates(tokenizer or self.tokenizer)
-        ids, C, P = list(context_ids), self.chunk_size, self.prev_postfix_size
+        ids, C, P = list(context_ids), self.context_chunk, self.prev_postfix_size
         out = []
         for start in range(0, len(ids), C):
             end = min(start + C, len(ids))
@@ -229,8 +232,8 @@ class KVzipScorer(ModelScorer):
                     rep_valid[r, :len(rep)] = True
                 row_idx = torch.tensor(rows, device=device)
                 record = _ChunkRecorder(
-                    T=T, n_sink=min(self.n_sink, c * self.chunk_size), pad=pad[row_idx],
-                    starts=pad[row_idx] + c * self.chunk_size, rep_valid=rep_valid, dtype=self.dtype or torch.float32,
+                    T=T, n_sink=min(self.n_sink, c * self.context_chunk), pad=pad[row_idx],
+                    starts=pad[row_idx] + c * self.context_chunk, rep_valid=rep_valid, dtype=self.dtype or torch.float32,
                     lengths=torch.tensor([e - s for s, e, _ in chunks], device=device),
                 )
                 temp = _RepeatCache(context_layers, None if len(rows) == B else row_idx, T,
@@ -407,7 +410,7 @@ def kvzip_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | 
         input_ids: `(B, T)` token ids.
         attention_mask: `(B, T)` 1 on real tokens, 0 on left padding; None = no padding.
         tokenizer: the model's tokenizer (see :class:`KVzipScorer`).
-        **kwargs: :class:`KVzipScorer` options (``chunk_size``, ``prev_postfix_size``, ``n_sink``, ...).
+        **kwargs: :class:`KVzipScorer` options (``context_chunk``, ``prev_postfix_size``, ``n_sink``, ...).
 
     Returns:
         `(L, B, H_kv, T)` float32 scores. Sliding-window layers are not scored (ProxyKV keeps them as they are) and

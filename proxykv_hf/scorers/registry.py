@@ -175,13 +175,13 @@ def _random(ctx: ScorerContext) -> Scorer:
 def _kvzip(ctx: ScorerContext) -> Scorer:
     from .kvzip import KVzipScorer
 
-    return KVzipScorer(ctx.tokenizer, chunk_size=ctx.kvzip_chunk)
+    return KVzipScorer(ctx.tokenizer, context_chunk=ctx.kvzip_chunk)
 
 
 def _kvzip_iam(ctx: ScorerContext) -> Scorer:
     from .iam import KVzipIAMScorer
 
-    return KVzipIAMScorer(ctx.tokenizer, proxy=ctx.iam_proxy, layers=ctx.iam_layers, chunk_size=ctx.kvzip_chunk)
+    return KVzipIAMScorer(ctx.tokenizer, proxy=ctx.iam_proxy, layers=ctx.iam_layers, context_chunk=ctx.kvzip_chunk)
 
 
 def _proxykv(ctx: ScorerContext) -> Scorer:

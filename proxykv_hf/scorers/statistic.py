@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._fields import renamed_option
 from ..scoring import CHUNK_SIZE, attention_sums, check_statistics
 from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, LayerScorer
@@ -23,26 +24,28 @@ class AttentionStatisticScorer(LayerScorer):
     """One statistic of each layer's own prefill attention as the layer's scores.
 
     The statistic is taken per query head, then reduced over the query heads of each KV head (``group_reduce``;
-    ``"max"`` as KVzip does) and optionally pooled along the keys like ProxyKV's scores (``pool_kernel``).
+    ``"max"`` as KVzip does) and optionally pooled along the keys (``kernel_size``, as SnapKV's).
 
     Args:
         statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (see :func:`~proxykv_hf.scoring.attention_sums`;
             ``"lookback"`` scores ``1 - lookback``, the token's novelty).
         group_reduce: ``"max"`` or ``"mean"`` over the query heads of a KV head.
-        pool_kernel: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
+        kernel_size: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off);
+            ``pool_kernel`` is its deprecated spelling.
         n_sink: first tokens always kept.
         chunk_size: queries per chunk when the statistic is not handed over by the cache.
     """
 
-    def __init__(self, statistic: str = "max", *, group_reduce: str = "max", pool_kernel: int = 1, n_sink: int = 4,
-                 chunk_size: int = CHUNK_SIZE):
+    def __init__(self, statistic: str = "max", *, group_reduce: str = "max", kernel_size: int = 1, n_sink: int = 4,
+                 chunk_size: int = CHUNK_SIZE, pool_kernel: int | None = None):
         (self.statistic,) = check_statistics((statistic,))
         if group_reduce not in GROUP_REDUCTIONS:
             raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
         if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
             raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
         self.group_reduce = group_reduce
-        self.pool_kernel = check_kernel_size(pool_kernel, "pool_kernel")
+        kernel_size = renamed_option(kernel_size, pool_kernel, "AttentionStatisticScorer", "pool_kernel", "kernel_size")
+        self.kernel_size = check_kernel_size(kernel_size, "kernel_size")
         self.n_sink, self.chunk_size = n_sink, chunk_size
         self.statistics = (self.statistic,)
 
@@ -60,4 +63,4 @@ class AttentionStatisticScorer(LayerScorer):
         if self.statistic == "lookback":
             grouped = 1.0 - grouped  # novelty: higher = less copied from earlier text
         scores = grouped.amax(dim=2) if self.group_reduce == "max" else grouped.mean(dim=2)  # (B, H_kv, T)
-        return smooth_scores(scores, inputs.valid.to(device), self.pool_kernel, keep_peaks=True)
+        return smooth_scores(scores, inputs.valid.to(device), self.kernel_size, keep_peaks=True)
