@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-ratio", type=keep_ratio_arg, default=DEFAULT_KEEP_RATIO,
                    help="share of the prompt's K/V each method keeps, in (0, 1]")
     p.add_argument("--methods", nargs="+", default=["full", "proxykv", "kvzip", "snapkv"], choices=METHODS)
-    p.add_argument("--questions", type=int, default=5, help="how many of the file's five questions to ask")
+    p.add_argument("--questions", type=int, default=5, choices=range(1, 6), metavar="N",
+                   help="how many of the file's five questions to ask (1-5)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache")

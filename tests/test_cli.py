@@ -54,6 +54,14 @@ def test_demo_tiny(capsys):
     assert lines[-1].startswith("of the ") and "still answered: proxykv" in lines[-1]
 
 
+def test_demo_refuses_a_question_count_it_does_not_have(capsys):
+    for bad in ("0", "6"):
+        with pytest.raises(SystemExit) as err:
+            main(["demo", "--tiny", "--questions", bad])
+        assert err.value.code == 2
+    assert "--questions: invalid choice" in capsys.readouterr().err
+
+
 def test_demo_summary_counts_only_what_the_full_cache_answers():
     from proxykv_hf.demo import Question, _print_tables
 
