@@ -30,12 +30,12 @@ import tempfile
 from pathlib import Path
 
 from .cache import DEFAULT_KEEP_RATIO
-from .cli_helpers import (BUNDLED_MAPPER, USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
+from .cli_helpers import (USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
                           context_out_arg, default_device, deprecated_alias, device_arg, dtype_of, field_docs,
                           field_overrides, from_args, keep_ratio_arg, load, mapper_for, mapper_overrides,
                           model_of_context, out_dir_arg, proxy_model_of, text_file_arg)
 
-__all__ = ["BUNDLED_MAPPER", "build_parser", "field_docs", "main"]
+__all__ = ["build_parser", "field_docs", "main"]
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     """The model, and the scorers a subcommand may build: ``--mapper`` and ``--plugin``."""
     _model_args(p)
     p.add_argument("--mapper", type=checkpoint_arg, default=None,
-                   help="ProxyKV mapper checkpoint: a directory or a Hub id (default: the bundled one)")
+                   help="ProxyKV mapper checkpoint: a directory or a Hub id (default: the one bundled for --model)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, for the scorers it registers (proxykv_hf.scorers.register)")
 
@@ -64,7 +64,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _proxy_model_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy-model", default=None, metavar="MODEL",
                    help="a separate proxy model (e.g. qwen2.5-coder-0.5b-instruct), loaded once in --dtype: "
-                        "KVzip+IAM's proxy, and ProxyKV's where its mapper reads a separate model")
+                        "KVzip+IAM's proxy, the proxy_* methods' (its attention, no mapper), and ProxyKV's where its "
+                        "mapper reads a separate model")
 
 
 # ------------------------------------------------------------------------------------------------ commands

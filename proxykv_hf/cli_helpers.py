@@ -16,12 +16,8 @@ import warnings
 import torch
 
 from ._fields import DTYPES
-from .hub import BUNDLED_DIR, BUNDLED_MAPPER as _BUNDLED_NAME, looks_like_local_path
+from .hub import BUNDLED_DIR, looks_like_local_path
 from .selection import check_keep_ratio
-
-BUNDLED_MAPPER = BUNDLED_DIR / _BUNDLED_NAME
-"""The directory of the mapper shipped with the package (for the bundled SmolLM2 target)."""
-
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 """The exception types a subcommand raises for bad input (a value out of range, a path that is not there or not

@@ -295,3 +295,26 @@ def test_self_proxy_layers_must_not_read_a_later_layer(tmp_path):
     with pytest.raises(ValueError, match="without a layer list reads every target layer"):
         Checkpoint(mapper=HybridAxialMapper(cfg), proxy=ProxySpec(kind="self", num_layers=2, num_heads=4),
                    target=ckpt.target)
+
+
+def test_proxy_statistic_scores_are_the_paired_proxy_layer_and_kv_group():
+    from proxykv_hf.eval.methods import record_scores
+    from proxykv_hf.proxy import proxy_features
+    from proxykv_hf.scorers import ScorerContext, registry
+
+    target = tiny_model("llama", num_hidden_layers=4)
+    proxy = tiny_model("llama", num_hidden_layers=3, num_attention_heads=8, seed=1)
+    scorer = registry.build("proxy_novelty", ScorerContext(model=target, proxy=proxy))
+    ids = random_prompt(1, 50, seed=2)["input_ids"]
+    got = record_scores(target, scorer, ids).scores
+    x = proxy_features(proxy, ids, statistics=("lookback",))  # (1, 3 proxy layers, 8 heads, 50)
+    for layer, proxy_layer in zip(range(4), [0, 1, 2, 2]):  # ceil(l * 3 / 4) for l = 1..4
+        want = (1 - x[:, proxy_layer]).view(1, 2, 4, 50).amax(dim=2)  # target KV head h reads proxy KV group h
+        torch.testing.assert_close(got[layer], want)
+
+
+def test_proxy_statistic_needs_a_proxy_model():
+    from proxykv_hf.scorers import ScorerContext, registry
+
+    with pytest.raises(ValueError, match="proxy_sum.*--proxy-model"):
+        registry.build("proxy_sum", ScorerContext(model=tiny_model("llama")))

@@ -3,6 +3,8 @@ row scored as it would be alone, keep_ratio 1 identical to a DynamicCache, and a
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -23,7 +25,24 @@ GEN = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
 def setup():
     model = tiny_model("llama", num_hidden_layers=4)
     mapper = tiny_mapper_checkpoint(model)  # in memory: the registry takes a Checkpoint
-    return model, ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=mapper, kvzip_chunk=16)
+    ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=mapper, kvzip_chunk=16)
+    return model, _ProxyContexts(ctx)
+
+
+class _ProxyContexts:
+    """The test context, with a separate proxy model (other depth and head count) for the ``proxy_*`` methods."""
+
+    def __init__(self, ctx):
+        self.plain = ctx
+        self.with_proxy = copy.copy(ctx)
+        self.with_proxy.iam_proxy = tiny_model("llama", num_hidden_layers=3, num_attention_heads=8, seed=1)
+
+    def __getattr__(self, name):
+        return getattr(self.plain, name)
+
+
+def _build(name, ctx):
+    return registry.build(name, ctx.with_proxy if name.startswith("proxy_") else ctx.plain)
 
 
 def _recorded(model, scorer, inputs) -> dict[int, torch.Tensor]:
@@ -32,13 +51,13 @@ def _recorded(model, scorer, inputs) -> dict[int, torch.Tensor]:
 
 def test_every_built_in_method_is_registered():
     assert set(BUILT_IN) >= {"kvzip", "snapkv", "streaming", "random", "proxykv", "kvzip_iam", "attn_sum",
-                             "attn_max", "attn_novelty"}
+                             "attn_max", "attn_novelty", "proxy_novelty", "proxy_max", "proxy_sum"}
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_scores_shape_and_higher_means_keep(setup, name):
     model, ctx = setup
-    scorer = registry.build(name, ctx)
+    scorer = _build(name, ctx)
     assert isinstance(scorer, (LayerScorer, ModelScorer))
     inputs = random_prompt(2, 120, lengths=[120, 100], seed=3)  # longer than SnapKV's window of 64
     scores = _recorded(model, scorer, inputs)
@@ -54,7 +73,7 @@ def test_scores_shape_and_higher_means_keep(setup, name):
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_padded_rows_score_as_alone(setup, name):
     model, ctx = setup
-    scorer = registry.build(name, ctx)
+    scorer = _build(name, ctx)
     batch = random_prompt(2, 40, lengths=[40, 29], seed=5)
     alone = {k: v[1:, -29:] for k, v in batch.items()}
     together, single = _recorded(model, scorer, batch), _recorded(model, scorer, alone)
@@ -72,7 +91,7 @@ def test_keep_ratio_one_is_a_dynamic_cache(setup, name):
     inputs = random_prompt(2, 30, lengths=[30, 22], seed=7)
     ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **GEN)
     for budget in ("uniform", "global"):
-        cache = ProxyKVCache(registry.build(name, ctx), keep_ratio=1.0, budget=budget)
+        cache = ProxyKVCache(_build(name, ctx), keep_ratio=1.0, budget=budget)
         assert torch.equal(ref, model.generate(**inputs, past_key_values=cache, **GEN))
 
 
@@ -81,7 +100,7 @@ def test_global_budget_keeps_the_nominal_total(setup, name):
     """Under the global budget every scorer's cache holds each row's nominal total, spread over layers and heads."""
     model, ctx = setup
     inputs = random_prompt(2, 100, lengths=[100, 80], seed=8)
-    cache = ProxyKVCache(registry.build(name, ctx), keep_ratio=0.3, budget="global")
+    cache = ProxyKVCache(_build(name, ctx), keep_ratio=0.3, budget="global")
     model.generate(**inputs, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
     k = keep_counts(inputs["attention_mask"].sum(-1), 0.3, cache.n_sink + cache.n_recent)
     L, H = len(cache.compactable_layers()), model.config.num_key_value_heads
@@ -91,7 +110,7 @@ def test_global_budget_keeps_the_nominal_total(setup, name):
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_wrong_score_shape_is_a_clear_error(setup, name, monkeypatch):
     model, ctx = setup
-    cache = ProxyKVCache(registry.build(name, ctx), keep_ratio=0.3)
+    cache = ProxyKVCache(_build(name, ctx), keep_ratio=0.3)
     scorer = cache.scorer  # the cache scores with its own copy
     if isinstance(scorer, ModelScorer):
         real = scorer.score_all

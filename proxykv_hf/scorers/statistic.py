@@ -10,12 +10,14 @@ token copied from earlier text scores low, one with nothing to copy from scores 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._fields import renamed_option
 from ..scoring import CHUNK_SIZE, attention_sums, check_statistics
 from ..selection import check_kernel_size, smooth_scores
-from .base import LayerInputs, LayerScorer
+from .base import LayerInputs, LayerScorer, Prompt
 
 GROUP_REDUCTIONS = ("max", "mean")
 
@@ -64,3 +66,75 @@ class AttentionStatisticScorer(LayerScorer):
             grouped = 1.0 - grouped  # novelty: higher = less copied from earlier text
         scores = grouped.amax(dim=2) if self.group_reduce == "max" else grouped.mean(dim=2)  # (B, H_kv, T)
         return smooth_scores(scores, inputs.valid.to(device), self.kernel_size, keep_peaks=True)
+
+
+class ProxyStatisticScorer(LayerScorer):
+    """One statistic of a separate proxy model's attention as the target's scores, with no learned mapper: the
+    "proxy's statistics without a mapper" baseline of a real proxy, the counterpart of
+    :class:`AttentionStatisticScorer` (which reads the target's own attention).
+
+    The proxy runs once on the prompt (:meth:`prepare`); target layer ``l`` (1-based, of ``L_t``) reads proxy layer
+    ``ceil(l * L_s / L_t)`` (the depth-proportional pairing of the mapper and of KVzip+IAM), and target KV head ``h``
+    reads the query heads of proxy KV head ``floor(h * Hkv_s / Hkv_t)``, reduced by ``group_reduce``.
+
+    Args:
+        proxy: the proxy model (same tokenizer as the target).
+        statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (scored as ``1 - lookback``, the token's novelty).
+        group_reduce: ``"max"`` or ``"mean"`` over the proxy query heads read by a target KV head.
+        kernel_size: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
+        n_sink: first tokens always kept.
+        chunk_size: queries per chunk in the proxy's attention accumulation.
+    """
+
+    needs_input_ids = True
+
+    def __init__(self, proxy, statistic: str = "lookback", *, group_reduce: str = "max", kernel_size: int = 1,
+                 n_sink: int = 4, chunk_size: int = CHUNK_SIZE):
+        if not isinstance(proxy, torch.nn.Module):
+            raise ValueError(f"proxy must be a loaded model, got {type(proxy).__name__}")
+        self.proxy = proxy
+        self._self = AttentionStatisticScorer(statistic, group_reduce=group_reduce, kernel_size=kernel_size,
+                                              n_sink=n_sink, chunk_size=chunk_size)
+        self.statistic, self.group_reduce, self.kernel_size = statistic, group_reduce, self._self.kernel_size
+        self.n_sink, self.chunk_size = n_sink, chunk_size
+        self._features: torch.Tensor | None = None  # (B, L_s, H_s, T) of the prompt being scored
+        self._layer_map: list[int] = []
+
+    def fresh(self) -> "ProxyStatisticScorer":
+        return ProxyStatisticScorer(self.proxy, self.statistic, group_reduce=self.group_reduce,
+                                    kernel_size=self.kernel_size, n_sink=self.n_sink, chunk_size=self.chunk_size)
+
+    @torch.no_grad()
+    def prepare(self, prompt: Prompt) -> None:
+        from ..model_layout import full_attention_layers
+        from ..proxy import proxy_features
+
+        target, ids = prompt.model, prompt.input_ids
+        if ids is None:
+            raise ValueError("the proxy statistics need the prompt's input_ids")
+        if int(ids.max()) >= self.proxy.config.vocab_size:
+            raise ValueError("proxy and target must share a tokenizer: the prompt has token ids outside the "
+                             f"proxy's vocabulary ({self.proxy.config.vocab_size})")
+        device = next(self.proxy.parameters()).device
+        mask = None if bool(prompt.valid.all()) else prompt.valid.long().to(device)
+        x = proxy_features(self.proxy, ids.to(device), mask, chunk_size=self.chunk_size,
+                           statistics=(self.statistic,))  # (B, L_s, H_s, T): every proxy layer
+        self._features = x[:, full_attention_layers(self.proxy)]
+        n_target, n_proxy = len(full_attention_layers(target)), self._features.shape[1]
+        self._layer_map = [math.ceil((l + 1) * n_proxy / n_target) - 1 for l in range(n_target)]
+
+    @torch.no_grad()
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        if self._features is None:
+            raise RuntimeError("ProxyStatisticScorer.score before prepare (start each prompt on a fresh cache)")
+        x = self._features[:, self._layer_map[inputs.compact_index]].to(inputs.keys.device)  # (B, H_s, T)
+        hkv_t = inputs.keys.shape[1]
+        hkv_s = self.proxy.config.get_text_config(decoder=True).num_key_value_heads
+        groups = x.view(x.shape[0], hkv_s, x.shape[1] // hkv_s, x.shape[2])  # (B, Hkv_s, G_s, T)
+        heads = torch.tensor([h * hkv_s // hkv_t for h in range(hkv_t)], device=x.device)
+        picked = groups.index_select(1, heads).flatten(1, 2)  # (B, Hkv_t * G_s, T): each target KV head's group
+        mapped = LayerInputs(inputs.layer_idx, inputs.keys, inputs.values, None, None, inputs.scaling, inputs.prompt,
+                             inputs.compact_index, statistics=picked)
+        if inputs.compact_index == len(self._layer_map) - 1:
+            self._features = None  # the last layer has its scores
+        return self._self.score(mapped)
