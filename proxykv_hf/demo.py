@@ -26,7 +26,7 @@ from .eval.metrics import string_match_part
 from .pipeline import answer_from_cache, compress_context
 from .scorers.registry import ScorerContext
 
-WARMUP_TOKENS = 512
+WARMUP_TOKENS = 128
 ANSWER_TOKENS = 24
 TINY_CHARS = 1000  # --tiny: the file's first characters (the byte-level tiny tokenizer makes one token a byte)
 
