@@ -361,7 +361,7 @@ def test_records_are_read_gzip_compressed(tmp_path):
 @pytest.mark.slow  # scripts/results_tables.py in a new Python process
 def test_docs_records_are_compressed_cited_and_small():
     """docs/data keeps evaluation records as ``.jsonl.gz``; every file there is cited by a doc or a script, every
-    record a doc cites is there, docs/ stays under 3 MB and docs/data under 1.2 MB."""
+    record a doc cites is there, docs/ stays under 3 MB and docs/data under 1.5 MB."""
     from pathlib import Path
 
     root = Path(__file__).parents[1]
@@ -377,7 +377,7 @@ def test_docs_records_are_compressed_cited_and_small():
     size = sum(p.stat().st_size for p in (root / "docs").rglob("*") if p.is_file())
     assert size < 3_000_000, f"docs/ holds {size / 1e6:.1f} MB"
     size = sum(p.stat().st_size for p in data.iterdir())
-    assert size < 1_200_000, f"docs/data holds {size / 1e6:.2f} MB"
+    assert size < 1_500_000, f"docs/data holds {size / 1e6:.2f} MB"
     _results_tables(data / "test_2k_global.jsonl.gz", "--n-boot", "20", "--split", "test")
 
 
