@@ -254,11 +254,14 @@ def paired_difference(records: list[dict], a: str, b: str, *, n_boot: int = 1000
     return float(100 * (point[ia].mean() - point[ib].mean())), float(lo), float(hi)
 
 
-_ORDER = ("kvzip", "proxykv", "attn_novelty", "attn_max", "attn_sum", "snapkv", "streaming", "random", "kvzip_iam")
+_ORDER = ("kvzip", "proxykv", "attn_novelty", "attn_max", "attn_sum", "proxy_novelty", "proxy_max", "proxy_sum",
+          "snapkv", "streaming", "random", "kvzip_iam")
 _NAMES = {"full": "full cache", "kvzip": "KVzip", "proxykv": "ProxyKV", "attn_max": "no mapper: max (`attn_max`)",
           "attn_sum": "no mapper: sum (`attn_sum`)",
-          "attn_novelty": "no mapper: novelty (`attn_novelty`)", "snapkv": "SnapKV", "streaming": "StreamingLLM",
-          "random": "random", "kvzip_iam": "KVzip+IAM"}
+          "attn_novelty": "no mapper: novelty (`attn_novelty`)",
+          "proxy_novelty": "proxy, no mapper: novelty (`proxy_novelty`)",
+          "proxy_max": "proxy, no mapper: max (`proxy_max`)", "proxy_sum": "proxy, no mapper: sum (`proxy_sum`)",
+          "snapkv": "SnapKV", "streaming": "StreamingLLM", "random": "random", "kvzip_iam": "KVzip+IAM"}
 
 
 def interval_tables(records: list[dict], split: str | None = None, n_boot: int = 1000) -> str:
