@@ -14,11 +14,10 @@ Zhao et al., 2025, cited by the paper). The paper does not give the exact rule, 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._fields import renamed_option
+from ..mapper_config import layer_pairing
 from ..proxy import every_kth_layer, layer_subset
 from .base import LayerInputs, LayerScorer, Prompt
 from ..model_layout import full_attention_layers
@@ -89,7 +88,7 @@ class KVzipIAMScorer(LayerScorer):
         return scores[full_attention_layers(runner)]
 
     def _default_maps(self, n_target: int, h_target: int, n_proxy: int, h_proxy: int) -> None:
-        self.layer_map = [math.ceil((l + 1) * n_proxy / n_target) - 1 for l in range(n_target)]
+        self.layer_map = layer_pairing(n_proxy, n_target)
         self.head_map = [[h * h_proxy // h_target for h in range(h_target)] for _ in range(n_target)]
         self._filled = (self.layer_map, self.head_map)
 

@@ -202,19 +202,17 @@ def _statistic(name: str) -> Callable[[ScorerContext], Scorer]:
     return build_statistic
 
 
-def _proxy_statistic(name: str) -> Callable[[ScorerContext], Scorer]:
+def _proxy_statistic(method: str, statistic: str) -> Callable[[ScorerContext], Scorer]:
     def build_proxy_statistic(ctx: ScorerContext) -> Scorer:
         from .statistic import ProxyStatisticScorer
 
         proxy = ctx.proxy if ctx.proxy is not None else ctx.iam_proxy
         if proxy is None:
-            raise ValueError(f"method {_PROXY_NAMES[name]!r} needs a separate proxy model (--proxy-model)")
-        return ProxyStatisticScorer(proxy, name)
+            raise ValueError(f"method {method!r} needs a separate proxy model (--proxy-model)")
+        return ProxyStatisticScorer(proxy, statistic)
 
     return build_proxy_statistic
 
-
-_PROXY_NAMES = {"sum": "proxy_sum", "max": "proxy_max", "lookback": "proxy_novelty"}
 
 register("kvzip", _kvzip, "KVzip's context-reconstruction scores (the oracle ProxyKV learns)")
 register("snapkv", _snapkv, "attention of the last 64 prompt queries, pooled")
@@ -225,7 +223,9 @@ register("kvzip_iam", _kvzip_iam, "KVzip on a proxy, mapped by a fixed layer/hea
 register("attn_sum", _statistic("sum"), "the self proxy's summed attention as scores, no mapper")
 register("attn_max", _statistic("max"), "the self proxy's largest attention as scores, no mapper")
 register("attn_novelty", _statistic("lookback"), "one minus the self proxy's lookback attention, no mapper")
-register("proxy_novelty", _proxy_statistic("lookback"),
+register("proxy_novelty", _proxy_statistic("proxy_novelty", "lookback"),
          "one minus the proxy model's lookback attention, no mapper (--proxy-model)")
-register("proxy_max", _proxy_statistic("max"), "the proxy model's largest attention as scores, no mapper (--proxy-model)")
-register("proxy_sum", _proxy_statistic("sum"), "the proxy model's summed attention as scores, no mapper (--proxy-model)")
+register("proxy_max", _proxy_statistic("proxy_max", "max"),
+         "the proxy model's largest attention as scores, no mapper (--proxy-model)")
+register("proxy_sum", _proxy_statistic("proxy_sum", "sum"),
+         "the proxy model's summed attention as scores, no mapper (--proxy-model)")

@@ -10,11 +10,10 @@ token copied from earlier text scores low, one with nothing to copy from scores 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._fields import renamed_option
+from ..mapper_config import layer_pairing
 from ..scoring import CHUNK_SIZE, attention_sums, check_statistics
 from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, LayerScorer, Prompt
@@ -117,11 +116,10 @@ class ProxyStatisticScorer(LayerScorer):
                              f"proxy's vocabulary ({self.proxy.config.vocab_size})")
         device = next(self.proxy.parameters()).device
         mask = None if bool(prompt.valid.all()) else prompt.valid.long().to(device)
-        x = proxy_features(self.proxy, ids.to(device), mask, chunk_size=self.chunk_size,
-                           statistics=(self.statistic,))  # (B, L_s, H_s, T): every proxy layer
-        self._features = x[:, full_attention_layers(self.proxy)]
-        n_target, n_proxy = len(full_attention_layers(target)), self._features.shape[1]
-        self._layer_map = [math.ceil((l + 1) * n_proxy / n_target) - 1 for l in range(n_target)]
+        self._features = proxy_features(self.proxy, ids.to(device), mask, chunk_size=self.chunk_size,
+                                        statistics=(self.statistic,),
+                                        statistics_layers=full_attention_layers(self.proxy))  # (B, L_s, H_s, T)
+        self._layer_map = layer_pairing(self._features.shape[1], len(full_attention_layers(target)))
 
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
