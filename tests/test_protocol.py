@@ -389,3 +389,29 @@ def test_texts_from_tasks_keeps_to_the_train_split():
     with pytest.raises(ValueError, match="training seeds"):  # the second task's seed reaches the limit
         next(texts_from_tasks(["niah_single_1", "niah_single_2"], 1, 300, TOK, seed=splits.TRAIN_SEED_LIMIT - 1000))
     assert next(texts_from_tasks(["niah_single_1"], 1, 300, TOK, seed=splits.TRAIN_SEED_LIMIT - 1))["text"]
+
+
+@pytest.mark.slow  # scripts/results_tables.py in a new Python process
+def test_the_qwen_pair_tables_in_the_docs_are_the_records():
+    """The Qwen pair's test-split table in docs/results.md, and its means quoted in the README, are what
+    scripts/results_tables.py makes of docs/data/test_2k_qwen_pair.jsonl.gz with the command results.md gives (the
+    point estimates: per keep ratio and the mean), and so are the model card's: new records cannot leave them behind."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    results, readme = (root / "docs" / "results.md").read_text(), (root / "README.md").read_text()
+    assert "results_tables.py docs/data/test_2k_qwen_pair.jsonl.gz --split test --paired proxykv kvzip" in results
+    out = _results_tables(root / "docs" / "data" / "test_2k_qwen_pair.jsonl.gz", "--n-boot", "20", "--split", "test")
+    rows = re.findall(r"^\| ([^|]+) \|((?: [\d.]+ \|){6}) ([\d.]+) \[", out, flags=re.M)
+    assert {name for name, _, _ in rows} >= {"KVzip", "ProxyKV", "SnapKV", "KVzip+IAM"}
+    for name, ratios, mean in rows:
+        assert f"|{ratios} {'**' + mean + '**' if name == 'ProxyKV' else mean} [" in results, name
+    full = re.search(r"^\| full cache \(rho=1\) \|[ |]+ ([\d.]+) \[", out, flags=re.M).group(1)
+    samples = re.search(r"(\d+) samples \(6 tasks x (\d+)\)", out)
+    assert f"| {full} [" in results and f"run for {samples.group(1)} of its 120 samples" in results
+    means = dict((name, mean) for name, _, mean in rows)
+    assert f"| {full} | {means['KVzip']} [" in readme and f"**{means['ProxyKV']}** [" in readme
+    assert f"the first\n{samples.group(1)} of its 120 samples ({samples.group(2)} of each task)" in readme
+    card = (root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct" / "README.md").read_text()
+    assert (f"the first {samples.group(1)} of 120 samples" in card and f"{means['ProxyKV']} against KVzip's "
+            f"{means['KVzip']}" in card and f"the full cache {full} |" in card)
