@@ -251,6 +251,7 @@ def test_bench_self_proxy_breakdown(tmp_path, capsys, statistics):
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     b = [r for r in rows if r["method"] == "proxykv"][0]["breakdown"]
     assert b["proxy_kind"] == "self" and b["overlap_fraction"] == 0.0 and b["proxy_s"] >= 0
+    assert b["proxy_dtype"] == "float32"  # the tiny target, which a self proxy is
 
 
 @pytest.mark.slow  # a whole command on a tiny model

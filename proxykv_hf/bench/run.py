@@ -275,7 +275,9 @@ class Bench:
                 layer.values.gather(2, idx[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
 
         _, t_compact = timed(compact, self.device)
-        return {"proxy_kind": kind, "proxy_s": t_proxy, "mapper_s": t_mapper, "compact_s": t_compact}
+        proxy_dtype = str(next(self.proxy_runner.parameters()).dtype).removeprefix("torch.")
+        return {"proxy_kind": kind, "proxy_dtype": proxy_dtype, "proxy_s": t_proxy, "mapper_s": t_mapper,
+                "compact_s": t_compact}
 
     def run(self, progress=None) -> list[dict]:
         cfg, rows = self.config, []
