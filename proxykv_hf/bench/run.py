@@ -36,6 +36,7 @@ import torch
 
 from ..cache import DEFAULT_KEEP_RATIO, ProxyKVCache
 from ..compat import with_cache
+from ..fingerprints import dtype_name
 from ..flops import GATED_MLP_FAMILIES
 from ..scorers import registry
 from ..selection import BUDGETS, select_topk
@@ -275,9 +276,8 @@ class Bench:
                 layer.values.gather(2, idx[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
 
         _, t_compact = timed(compact, self.device)
-        proxy_dtype = str(next(self.proxy_runner.parameters()).dtype).removeprefix("torch.")
-        return {"proxy_kind": kind, "proxy_dtype": proxy_dtype, "proxy_s": t_proxy, "mapper_s": t_mapper,
-                "compact_s": t_compact}
+        return {"proxy_kind": kind, "proxy_dtype": dtype_name(next(self.proxy_runner.parameters()).dtype),
+                "proxy_s": t_proxy, "mapper_s": t_mapper, "compact_s": t_compact}
 
     def run(self, progress=None) -> list[dict]:
         cfg, rows = self.config, []
