@@ -407,11 +407,11 @@ def test_the_qwen_pair_tables_in_the_docs_are_the_records():
     for name, ratios, mean in rows:
         assert f"|{ratios} {'**' + mean + '**' if name == 'ProxyKV' else mean} [" in results, name
     full = re.search(r"^\| full cache \(rho=1\) \|[ |]+ ([\d.]+) \[", out, flags=re.M).group(1)
-    samples = re.search(r"(\d+) samples \(6 tasks x (\d+)\)", out)
-    assert f"| {full} [" in results and f"run for {samples.group(1)} of its 120 samples" in results
+    assert "120 samples (6 tasks x 20)" in out  # the whole split
+    assert f"| {full} [" in results and "**All 120 samples of\nthe test split** (20 of each of the six tasks)" in results
     means = dict((name, mean) for name, _, mean in rows)
     assert f"| {full} | {means['KVzip']} [" in readme and f"**{means['ProxyKV']}** [" in readme
-    assert f"the first\n{samples.group(1)} of its 120 samples ({samples.group(2)} of each task)" in readme
+    assert "on the test split's 120\nsamples (20 of each task)" in readme
     card = (root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct" / "README.md").read_text()
-    assert (f"the first {samples.group(1)} of 120 samples" in card and f"{means['ProxyKV']} against KVzip's "
+    assert ("all 120 samples" in card and f"{means['ProxyKV']} against KVzip's "
             f"{means['KVzip']}" in card and f"the full cache {full} |" in card)
