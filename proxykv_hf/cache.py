@@ -316,12 +316,12 @@ class ProxyKVCache(DynamicCache):
         return sum(self.layers[i].held_entries() for i in self.compactable_layers())
 
     # ----------------------------------------------------------------------------------------------- generate hooks
-    def activate_past_recording(self) -> None:
-        """Called by transformers before candidate-verifying decoding (assisted, prompt lookup): their first forward
-        holds the prompt and the candidates, so it is split (:mod:`proxykv_hf.candidates`)."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Called by transformers before candidate-verifying decoding (assisted, prompt lookup; keywords from 5.25):
+        their first forward holds the prompt and the candidates, so it is split (:mod:`proxykv_hf.candidates`)."""
         parent = getattr(super(), "activate_past_recording", None)
         if parent is not None:
-            parent()
+            parent(**kwargs)
         self.calls.verification_started(self)
 
     def crop(self, max_length: int) -> None:

@@ -11,8 +11,9 @@ What the cache relies on from transformers, and how the releases differ (docs/de
   ``tests/test_transformers_contract.py``: ``generate`` marks a cache it is given with ``_is_user_defined = True``
   before the first forward (:mod:`proxykv_hf.prompt` reads the call's prompt then), keeps the expanded prompt in its
   ``input_ids`` local and its padding in ``model_kwargs``; assisted decoding calls ``activate_past_recording()``
-  before its first forward (:mod:`proxykv_hf.candidates`); ``Cache.get_mask_sizes`` / ``get_seq_length`` /
-  ``get_query_offset`` delegate to the layers; ``DynamicLayer`` keeps ``keys`` / ``values`` and ``DynamicCache``
+  before its first forward (:mod:`proxykv_hf.candidates`; from 5.25 with ``recurrent_states_to_keep=``, which the
+  cache passes on to ``DynamicCache``); ``Cache.get_mask_sizes`` / ``get_seq_length`` / ``get_query_offset``
+  delegate to the layers; ``DynamicLayer`` keeps ``keys`` / ``values`` and ``DynamicCache``
   lays out its layers from the config; attention functions and mask functions register through
   ``AttentionInterface`` / ``AttentionMaskInterface``.
 """

@@ -37,8 +37,8 @@ class Recorder(DynamicCache):
         self.events.append(("user_defined", None if call is None else tuple(call.input_ids.shape),
                             self.get_seq_length()))
 
-    def activate_past_recording(self):
-        super().activate_past_recording()
+    def activate_past_recording(self, **kwargs):
+        super().activate_past_recording(**kwargs)
         self.events.append(("recording", self.get_seq_length()))
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -80,6 +80,16 @@ def test_assisted_decoding_announces_itself_and_verifies_prompt_and_candidates_t
     kinds = [e[0] for e in cache.events]
     assert kinds[:3] == ["user_defined", "recording", "forward"]
     assert cache.events[2][1] > 30  # the first verification forward holds the prompt and the candidates
+
+
+def test_the_cache_passes_the_past_recording_keywords_on(monkeypatch):
+    """transformers 5.25 calls ``activate_past_recording(recurrent_states_to_keep=n)``; the cache must take the
+    keywords (it raised ``TypeError``, which broke assisted decoding) and hand them to ``DynamicCache``."""
+    seen = []
+    monkeypatch.setattr(DynamicCache, "activate_past_recording", lambda self, **kwargs: seen.append(kwargs),
+                        raising=False)
+    ProxyKVCache(SnapKVScorer(), 0.5).activate_past_recording(recurrent_states_to_keep=3)
+    assert seen == [{"recurrent_states_to_keep": 3}]
 
 
 def test_chunked_prefill_keeps_the_whole_prompt_in_the_call(model):
