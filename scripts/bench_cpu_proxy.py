@@ -40,7 +40,7 @@ def main() -> None:
 
     @torch.no_grad()
     def plain_proxy():
-        proxy.model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        proxy.model(input_ids=ids, **with_cache(DynamicCache()), use_cache=True)
 
     @torch.no_grad()
     def features():
