@@ -28,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ._filelock import file_lock as _file_lock
-from .model_parts import sha256_file
+from .model_parts import PackagedModel, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,6 @@ def packaged_model_dir(name: str, *, cache_dir: str | os.PathLike | None = None)
         ImportError: a part's package (named, with its version) or ``gguf`` is not installed.
         OSError: a part or the assembled file does not match its hash, or the cache is not writable.
     """
-    from .model_parts import PackagedModel
-
     packaged = PackagedModel.get(name)
     root = cache_root(cache_dir)
     out = root / packaged.name
@@ -162,8 +160,6 @@ def convert_packaged(names: Iterable[str], *, cache_dir: str | os.PathLike | Non
     Raises:
         ImportError, OSError: as :func:`packaged_model_dir` (a missing package is named before any process starts).
     """
-    from .model_parts import PackagedModel
-
     root = cache_root(cache_dir)
     packaged = [PackagedModel.get(n) for n in dict.fromkeys(str(n).lower() for n in names)
                 if n in PackagedModel.names()]
