@@ -10,7 +10,8 @@ Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run, as writ
 (:func:`proxykv_hf.eval.report.interval_tables`): every method's accuracy % per keep ratio, its mean over the
 ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, how many of the
 samples the full cache answers fully right each method still answers, and a table per task. ``--plot`` draws the
-first file's accuracy against keep ratio; ``--merge`` reads all files as one run; ``--tasks`` keeps only the named
+first file's accuracy against keep ratio; ``--merge`` reads all files as one run; ``--rename FILE OLD NEW`` calls
+method OLD of that file's records NEW (two runs of one method, e.g. two mappers, merged); ``--tasks`` keeps only the named
 tasks; ``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same
 samples); ``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval,
 and per keep ratio, of the samples the full cache answers fully right, A's share minus B's with its paired interval
@@ -22,6 +23,11 @@ from __future__ import annotations
 import argparse
 
 from proxykv_hf.eval.report import interval_tables, paired_answered, paired_difference, plot, read_records
+
+
+def _renamed(records: list[dict], path: str, renames: list[list[str]]) -> list[dict]:
+    names = {old: new for file, old, new in renames if file == path}
+    return [{**r, "method": names.get(r["method"], r["method"])} for r in records]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,9 +42,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=None, help="only the first N samples of each task and length")
     p.add_argument("--paired", nargs=2, metavar=("A", "B"), default=None,
                    help="also print method A's mean minus method B's, paired over the same samples, with its interval")
+    p.add_argument("--rename", nargs=3, action="append", default=[], metavar=("FILE", "OLD", "NEW"),
+                   help="call method OLD of FILE's records NEW (e.g. two mappers' proxykv runs merged)")
     ns = p.parse_args(argv)
-    runs = [[r for path in ns.files for r in read_records(path)]] if ns.merge else \
-        [read_records(path) for path in ns.files]
+    unknown = {path for path, _, _ in ns.rename} - set(ns.files)
+    if unknown:
+        p.error(f"--rename names a file that is not given: {', '.join(sorted(unknown))}")
+    files = [_renamed(read_records(path), path, ns.rename) for path in ns.files]
+    runs = [[r for records in files for r in records]] if ns.merge else files
     if ns.samples is not None:
         runs = [[r for r in records if r["sample"] < ns.samples] for records in runs]
     if ns.tasks:

@@ -1,5 +1,5 @@
 """The mapper checkpoints shipped in the package match their targets: the bundled SmolLM2-135M-Instruct (a self
-proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy)."""
+proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy, or its own attention: the CPU mapper)."""
 
 import pytest
 
@@ -8,6 +8,7 @@ from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER, BUNDLED_MAPPERS, load_ch
 from proxykv_hf.testing import pair_installed
 
 PAIR_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct"
+SELF_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct-self"
 
 
 def test_shipped_checkpoint_matches_smollm2_shape():
@@ -51,25 +52,43 @@ def test_shipped_pair_checkpoint_matches_the_qwen_pair():
     assert "qwen2.5-coder-0.5b-instruct" in card and "dev" in card
 
 
+def test_shipped_self_checkpoint_reads_the_qwen_targets_own_attention():
+    assert BUNDLED_MAPPERS["qwen2.5-coder-1.5b-instruct"] == PAIR_MAPPER, "the pair mapper stays the default"
+    ckpt = load_checkpoint(SELF_MAPPER)  # by name, offline
+    assert ckpt.target.model_id == "qwen2.5-coder-1.5b-instruct"
+    assert (ckpt.target.num_layers, ckpt.target.num_kv_heads, ckpt.target.num_heads) == (28, 2, 12)
+    assert ckpt.proxy.kind == "self" and ckpt.proxy.model_id is None and ckpt.proxy.layers is None
+    assert (ckpt.proxy.num_layers, ckpt.proxy.num_heads) == (28, 12)
+    assert ckpt.proxy.statistics == ["sum", "max", "lookback"]
+    cfg = ckpt.mapper.config
+    assert (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_target_layers, cfg.num_target_heads) == (28, 12, 28, 2)
+    assert ckpt.mapper.pairing() == list(range(28))  # each layer reads its own attention
+    assert ckpt.metrics["topk_recall@0.3"] > 0.3, "the checkpoint records its validation metrics"
+    card = (BUNDLED_DIR / SELF_MAPPER / "README.md").read_text()
+    assert "self" in card and "dev" in card
 
 
 @pytest.mark.pair
 @pytest.mark.slow
 @pytest.mark.skipif(not pair_installed(), reason="the Qwen pair's parts are not installed: proxykv install-models")
-def test_shipped_pair_mapper_runs_in_generate_offline(monkeypatch):
-    """``from_pretrained`` by the bundled name loads the 0.5B proxy by itself, or takes one already loaded."""
+def test_shipped_qwen_mappers_run_in_generate_offline(monkeypatch):
+    """By the bundled name, offline: the pair mapper loads the 0.5B proxy by itself (or takes one already loaded), the
+    self mapper runs no second model; each compresses the 1.5B's prompt in ``generate``."""
     from proxykv_hf.compat import with_cache
-    from proxykv_hf.models import load_model_and_tokenizer, load_model
+    from proxykv_hf.models import load_model, load_model_and_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, tok = load_model_and_tokenizer("qwen2.5-coder-1.5b-instruct")
-    cache = ProxyKVCache.from_pretrained(PAIR_MAPPER, keep_ratio=0.3)
-    assert cache.scorer.proxy_model.config.num_hidden_layers == 24
     inputs = tok(["The code word is azure. " * 20], return_tensors="pt")
     n = inputs["input_ids"].shape[1]
-    out = model.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False)
-    assert out.shape[1] == n + 2
-    assert cache.physical_lengths()[0] == -(-3 * n // 10) + 1
+    pair = ProxyKVCache.from_pretrained(PAIR_MAPPER, keep_ratio=0.3)
+    assert pair.scorer.proxy_model.config.num_hidden_layers == 24
+    own = ProxyKVCache.from_pretrained(SELF_MAPPER, keep_ratio=0.3)
+    assert own.scorer.proxy_model is None  # the target's own attention
+    for cache in (pair, own):
+        out = model.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False)
+        assert out.shape[1] == n + 2
+        assert cache.physical_lengths()[0] == -(-3 * n // 10) + 1
     proxy = load_model("qwen2.5-coder-0.5b-instruct")
     again = ProxyKVCache.from_pretrained(PAIR_MAPPER, keep_ratio=0.3, proxy=proxy)
     assert again.scorer.proxy_model is proxy

@@ -312,6 +312,11 @@ def test_results_tables_script(tmp_path):
     assert "| KVzip | 100.0 | 100.0 [" in out and "ProxyKV / KVzip: 50%" in out
     assert "kvzip - proxykv: +33.3 points (95% interval" in _results_tables(data, "--n-boot", "50", "--paired",
                                                                             "kvzip", "proxykv")
+    second = tmp_path / "second.jsonl"  # another mapper's proxykv run on the same samples, merged under a new name
+    second.write_text("\n".join(json.dumps(r) for r in _records({"proxykv": [1, 1, 1]})))
+    out = _results_tables(data, second, "--merge", "--rename", second, "proxykv", "proxykv_b", "--n-boot", "20",
+                          "--paired", "proxykv_b", "proxykv")
+    assert "| proxykv_b | 100.0 | 100.0 [" in out and "proxykv_b - proxykv: +66.7 points" in out
     other = _records({"full": [0], "kvzip": [0]}, task="u")
     data.write_text("\n".join(json.dumps(r) for r in records + other))
     out = _results_tables(data, "--n-boot", "20", "--tasks", "u")  # only task u
