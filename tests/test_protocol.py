@@ -420,3 +420,55 @@ def test_the_qwen_pair_tables_in_the_docs_are_the_records():
     card = (root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct" / "README.md").read_text()
     assert ("all 120 samples" in card and f"{means['ProxyKV']} against KVzip's "
             f"{means['KVzip']}" in card and f"the full cache {full} |" in card)
+
+
+def test_the_qwen_self_mappers_dev_figures_in_the_docs_are_the_records():
+    """The self-proxy Qwen mapper's dev figures in its model card, docs/results.md and docs/training.md are what its
+    records and the pair mapper's give on the same samples (the point estimates)."""
+    from pathlib import Path
+
+    from proxykv_hf.eval.report import read_records
+
+    root = Path(__file__).parents[1]
+    pair = read_records(root / "docs" / "data" / "dev_2k_qwen_pair.jsonl.gz")
+    own = [{**r, "method": "proxykv_self"} for r in read_records(root / "docs" / "data" / "dev_2k_qwen_self.jsonl.gz")]
+    assert {r["method"] for r in read_records(root / "docs" / "data" / "dev_2k_qwen_self.jsonl.gz")} == {"proxykv"}
+    out = interval_tables(pair + own, "dev", n_boot=20)
+    means = dict(re.findall(r"^\| (proxykv_self|ProxyKV|KVzip) \|(?: [\d.]+ \|){3} ([\d.]+) \[", out, flags=re.M))
+    ratios = re.search(r"^\| proxykv_self \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out, flags=re.M).groups()
+    diff, _, _ = paired_difference(pair + own, "proxykv_self", "proxykv", n_boot=20)
+    results = (root / "docs" / "results.md").read_text()
+    assert f"reached {means['proxykv_self']}, the same mean as the 0.5B-proxy mapper (paired {diff:+.1f} points" in results
+    assert means["proxykv_self"] == means["ProxyKV"]  # "the same mean", "ties" (training.md, the card)
+    assert f"at {' / '.join(ratios)} for rho 0.1 / 0.3 / 0.5" in results
+    card = (root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md").read_text()
+    assert (f"| {means['proxykv_self']} against KVzip's {means['KVzip']} (" in card
+            and f"({means['ProxyKV']}; paired {diff:+.1f} points" in card)
+    assert f"({means['proxykv_self']} each)" in (root / "docs" / "training.md").read_text()
+
+
+def test_the_qwen_self_mappers_test_figures_in_the_docs_are_the_records():
+    """Its test-split row in docs/results.md, and the means its card and the README quote, are what its records and
+    the pair run's (KVzip, the pair mapper) give on the same 120 samples (the point estimates)."""
+    from pathlib import Path
+
+    from proxykv_hf.eval.report import read_records
+
+    root = Path(__file__).parents[1]
+    pair = read_records(root / "docs" / "data" / "test_2k_qwen_pair.jsonl.gz")
+    own = [{**r, "method": "proxykv_self"} for r in read_records(root / "docs" / "data" / "test_2k_qwen_self.jsonl.gz")]
+    assert len(own) == 720 and len({(r["task"], r["sample"]) for r in own}) == 120  # the whole split, six ratios
+    records = [r for r in pair if r["method"] in ("full", "kvzip", "proxykv")] + own
+    out = interval_tables(records, "test", n_boot=20)
+    rows = dict(re.findall(r"^\| (proxykv_self|ProxyKV|KVzip) \|((?: [\d.]+ \|){6} [\d.]+) \[", out, flags=re.M))
+    means = {name: row.rsplit(" ", 1)[1] for name, row in rows.items()}
+    share = re.search(r"^\| proxykv_self \|.*\| (\d+)% \|$", out, flags=re.M).group(1)
+    diff, _, _ = paired_difference(records, "proxykv_self", "proxykv", n_boot=20)
+    results = (root / "docs" / "results.md").read_text()
+    assert f"| ProxyKV, self |{rows['proxykv_self']} [" in results and f"| {share}% (" in results
+    assert f"the self mapper is {-diff:.1f} points below the pair mapper" in results
+    card = (root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md").read_text()
+    assert (f"| {means['proxykv_self']} against KVzip's {means['KVzip']} ({share}%" in card
+            and f"mapper's {means['ProxyKV']} (paired {diff:+.1f} points" in card)
+    readme = (root / "README.md").read_text()
+    assert f"{share}% of KVzip's mean on\nthe test split, {-diff:.1f} points below the pair mapper" in readme
