@@ -11,8 +11,8 @@ Each file holds the ``results.jsonl`` records of a ``proxykv eval`` run, as writ
 ratios with a 95% bootstrap interval and its share of KVzip's, ProxyKV / KVzip with its interval, how many of the
 samples the full cache answers fully right each method still answers, and a table per task. ``--plot`` draws the
 first file's accuracy against keep ratio; ``--merge`` reads all files as one run; ``--rename FILE OLD NEW`` calls
-method OLD of that file's records NEW (two runs of one method, e.g. two mappers, merged); ``--tasks`` keeps only the named
-tasks; ``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same
+method OLD of that file's records NEW (two runs of one method, e.g. two mappers, merged); ``--tasks`` keeps only
+the named tasks; ``--samples N`` keeps the first N samples of each task (runs of different sizes compared on the same
 samples); ``--paired A B`` adds method A's mean over the ratios minus method B's, with its paired 95% interval,
 and per keep ratio, of the samples the full cache answers fully right, A's share minus B's with its paired interval
 (:func:`proxykv_hf.eval.report.paired_answered`).

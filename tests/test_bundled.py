@@ -1,5 +1,5 @@
 """The mapper checkpoints shipped in the package match their targets: the bundled SmolLM2-135M-Instruct (a self
-proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy, or its own attention: the CPU mapper)."""
+proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy, or its own attention)."""
 
 import pytest
 

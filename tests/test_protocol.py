@@ -438,7 +438,8 @@ def test_the_qwen_self_mappers_dev_figures_in_the_docs_are_the_records():
     ratios = re.search(r"^\| proxykv_self \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out, flags=re.M).groups()
     diff, _, _ = paired_difference(pair + own, "proxykv_self", "proxykv", n_boot=20)
     results = (root / "docs" / "results.md").read_text()
-    assert f"reached {means['proxykv_self']}, the same mean as the 0.5B-proxy mapper (paired {diff:+.1f} points" in results
+    mean = means["proxykv_self"]
+    assert f"reached {mean}, the same mean as the 0.5B-proxy mapper (paired {diff:+.1f} points" in results
     assert means["proxykv_self"] == means["ProxyKV"]  # "the same mean", "ties" (training.md, the card)
     assert f"at {' / '.join(ratios)} for rho 0.1 / 0.3 / 0.5" in results
     card = (root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md").read_text()
