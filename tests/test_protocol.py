@@ -425,14 +425,7 @@ def test_the_qwen_pair_tables_in_the_docs_are_the_records():
 def test_the_qwen_self_mappers_dev_figures_in_the_docs_are_the_records():
     """The self-proxy Qwen mapper's dev figures in its model card, docs/results.md and docs/training.md are what its
     records and the pair mapper's give on the same samples (the point estimates)."""
-    from pathlib import Path
-
-    from proxykv_hf.eval.report import read_records
-
-    root = Path(__file__).parents[1]
-    pair = read_records(root / "docs" / "data" / "dev_2k_qwen_pair.jsonl.gz")
-    own = [{**r, "method": "proxykv_self"} for r in read_records(root / "docs" / "data" / "dev_2k_qwen_self.jsonl.gz")]
-    assert {r["method"] for r in read_records(root / "docs" / "data" / "dev_2k_qwen_self.jsonl.gz")} == {"proxykv"}
+    root, pair, own = _qwen_pair_and_self_records("dev")
     out = interval_tables(pair + own, "dev", n_boot=20)
     means = dict(re.findall(r"^\| (proxykv_self|ProxyKV|KVzip) \|(?: [\d.]+ \|){3} ([\d.]+) \[", out, flags=re.M))
     ratios = re.search(r"^\| proxykv_self \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", out, flags=re.M).groups()
@@ -451,13 +444,7 @@ def test_the_qwen_self_mappers_dev_figures_in_the_docs_are_the_records():
 def test_the_qwen_self_mappers_test_figures_in_the_docs_are_the_records():
     """Its test-split row in docs/results.md, and the means its card and the README quote, are what its records and
     the pair run's (KVzip, the pair mapper) give on the same 120 samples (the point estimates)."""
-    from pathlib import Path
-
-    from proxykv_hf.eval.report import read_records
-
-    root = Path(__file__).parents[1]
-    pair = read_records(root / "docs" / "data" / "test_2k_qwen_pair.jsonl.gz")
-    own = [{**r, "method": "proxykv_self"} for r in read_records(root / "docs" / "data" / "test_2k_qwen_self.jsonl.gz")]
+    root, pair, own = _qwen_pair_and_self_records("test")
     assert len(own) == 720 and len({(r["task"], r["sample"]) for r in own}) == 120  # the whole split, six ratios
     records = [r for r in pair if r["method"] in ("full", "kvzip", "proxykv")] + own
     out = interval_tables(records, "test", n_boot=20)
@@ -473,3 +460,17 @@ def test_the_qwen_self_mappers_test_figures_in_the_docs_are_the_records():
             and f"mapper's {means['ProxyKV']} (paired {diff:+.1f} points" in card)
     readme = (root / "README.md").read_text()
     assert f"{share}% of KVzip's mean on\nthe test split, {-diff:.1f} points below the pair mapper" in readme
+
+
+def _qwen_pair_and_self_records(split: str):
+    """The repository root, the pair run's records of ``split`` at ~2k and the self mapper's, its ``proxykv`` (its only
+    method) renamed ``proxykv_self`` as ``scripts/results_tables.py --rename`` does in the docs' commands."""
+    from pathlib import Path
+
+    from proxykv_hf.eval.report import read_records
+
+    root = Path(__file__).parents[1]
+    pair = read_records(root / "docs" / "data" / f"{split}_2k_qwen_pair.jsonl.gz")
+    own = read_records(root / "docs" / "data" / f"{split}_2k_qwen_self.jsonl.gz")
+    assert {r["method"] for r in own} == {"proxykv"}
+    return root, pair, [{**r, "method": "proxykv_self"} for r in own]
