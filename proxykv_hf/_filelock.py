@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .model_parts import ModelCacheError
+
 logger = logging.getLogger(__name__)
 
 LOCK_TIMEOUT_S = 30 * 60.0
@@ -21,8 +23,8 @@ def file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     try:
         handle = open(path, "a+b")  # noqa: SIM115 - closed in finally
     except OSError as err:
-        raise OSError(f"cannot create the lock file {str(path)!r} ({err}); set PROXYKV_HF_CACHE to a "
-                      f"writable directory") from err
+        raise ModelCacheError(f"cannot create the lock file {str(path)!r} ({err}); set PROXYKV_HF_CACHE to a "
+                              f"writable directory") from err
     try:
         if not _try_lock(handle):
             from tqdm.auto import tqdm
@@ -33,13 +35,33 @@ def file_lock(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
                       bar_format="{desc}: {elapsed}") as bar:
                 while not _try_lock(handle):
                     if time.monotonic() - start > timeout_s:
-                        raise OSError(f"timed out after {timeout_s:.0f} s waiting for the lock {str(path)!r}; if no "
-                                      f"other process is converting the model, delete the file")
+                        raise ModelCacheError(f"timed out after {timeout_s:.0f} s waiting for the lock "
+                                              f"{str(path)!r}; if no other process is converting the model, delete "
+                                              f"the file")
                     time.sleep(0.5)
                     bar.update(0.5)
         yield
     finally:
         _unlock(handle)
+        handle.close()
+
+
+@contextlib.contextmanager
+def try_file_lock(path: Path) -> Iterator[bool]:
+    """:func:`file_lock` without waiting: yields whether the lock was taken (False while another process holds it,
+    or where the lock file cannot be opened)."""
+    try:
+        handle = open(path, "a+b")  # noqa: SIM115 - closed in finally
+    except OSError:
+        yield False
+        return
+    locked = False
+    try:
+        locked = _try_lock(handle)
+        yield locked
+    finally:
+        if locked:
+            _unlock(handle)
         handle.close()
 
 

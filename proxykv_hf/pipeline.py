@@ -23,6 +23,7 @@ from .compressed import CompressedContext, encode_context
 from .fingerprints import describe_model, model_mismatch
 from .checkpoint import Checkpoint
 from .scorers.base import Scorer
+from .selection import check_keep_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ def make_cache_factory(source: Any = None, keep_ratio: float | None = None, **kw
         return source.fresh
     ratio = 1.0 if keep_ratio is None and source is None else (DEFAULT_KEEP_RATIO if keep_ratio is None else
                                                                  keep_ratio)
+    check_keep_ratio(ratio, scored=source is not None, fix="a mapper (proxykv= for the pipeline task, cache_source "
+                     "for ProxyKVPipeline: a bundled name, a directory or a Hub id) or a Scorer such as SnapKVScorer()")
     if isinstance(source, (str, os.PathLike, Checkpoint)):
         template = ProxyKVCache.from_pretrained(source, ratio, **kwargs)
     elif source is None or isinstance(source, Scorer):

@@ -63,6 +63,9 @@ class ProxySpec:
             raise ValueError("a 'layers' proxy needs a non-empty list of layer indices")
         if self.kind == "model" and self.layers is not None:
             raise ValueError("a 'model' proxy runs all its layers; layers must be None")
+        if self.kind == "model" and (not isinstance(self.model_id, str) or not self.model_id.strip()):
+            raise ValueError(f"a 'model' proxy needs model_id, the proxy model's name, directory or Hub id; got "
+                             f"{self.model_id!r}")
         if self.layers is not None:
             if len(self.layers) != self.num_layers:
                 raise ValueError(f"num_layers ({self.num_layers}) must equal len(layers) ({len(self.layers)})")

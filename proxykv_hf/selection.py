@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 
-def check_keep_ratio(keep_ratio: object) -> float:
+def check_keep_ratio(keep_ratio: object, *, scored: bool = True, fix: str = "a scorer") -> float:
     """Validate ``keep_ratio`` and return it as a Python float.
 
     Accepts a Python or numpy real number or a 0-d (non-bool) torch tensor. A value held in a narrower float type
@@ -31,12 +31,20 @@ def check_keep_ratio(keep_ratio: object) -> float:
     the shortest decimal that rounds to the same value in that type, so ``np.float32(0.3)`` and
     ``torch.tensor(0.3)`` mean 0.3 (``0.30000001192...`` would keep 4 of 10 tokens instead of 3).
 
+    Args:
+        keep_ratio: the value to check.
+        scored: whether a scorer will choose what to keep; without one only 1 is allowed (nothing would prune).
+        fix: what the error for an unscored ratio below 1 tells the user to pass.
+
     Raises:
-        ValueError: if it is not such a number, or not in (0, 1].
+        ValueError: if it is not such a number, not in (0, 1], or below 1 with ``scored`` False.
     """
     value = _real_value(keep_ratio)
     if not (0.0 < value <= 1.0) or math.isnan(value):
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio!r}")
+    if not scored and value < 1:
+        raise ValueError(f"keep_ratio={value} needs a scorer to choose what to keep, and none was given: pass {fix} "
+                         "(without a scorer nothing is pruned: keep_ratio 1)")
     return value
 
 

@@ -5,8 +5,6 @@ How to run me (CPU, seconds; needs matplotlib)::
     python scripts/bench_plots.py docs/data/cpu_bench_all_methods.json --out docs/bench_cpu_all_methods.png
     python scripts/bench_plots.py docs/data/cpu_bench_1k8k.json \\
         --memory-from docs/data/cpu_bench_1k8k_fresh_memory.json --out docs/bench_cpu_1k8k.png
-    python scripts/bench_plots.py docs/data/gpu_llama.json --out docs/bench_gpu_llama.png
-    python scripts/bench_plots.py docs/data/gpu_qwen_kvzip_iam.json --out docs/bench_gpu_qwen_kvzip_iam.png
 
 The plot is the one ``proxykv bench`` draws (``bench.png``): TTFT and peak prefill memory against context length,
 one line per method, and TTFT against FLOPs where the rows carry FLOP counts. ``--memory-from`` takes the peak

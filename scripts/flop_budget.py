@@ -5,8 +5,9 @@ How to run me (CPU, seconds)::
 
     python scripts/flop_budget.py                                   # the FLOP table of both pairs, 4k-128k
     python scripts/flop_budget.py --bench docs/data/gpu_llama.json  # + measured TTFT and TFLOP/s per part
-    python scripts/flop_budget.py --bench docs/data/gpu_llama.json docs/data/gpu_llama_long.json \
-        docs/data/gpu_qwen_kvzip_iam.json --plot docs/flop_floor_gpu.png  # the tables and plot of docs/performance.md
+    python scripts/flop_budget.py --bench docs/data/gpu_h200_llama_32k.json docs/data/gpu_h200_qwen_32k.json \
+        docs/data/gpu_h200_llama_32k_sbs.json docs/data/gpu_h200_qwen_32k_sbs.json --bench-statistics-passes 1 \
+        --plot docs/flop_floor_gpu.png  # the tables and plot of docs/performance.md
 
 The FLOP ratio is the TTFT ratio that one device could reach were the proxy, its statistics and the mapper run as
 efficiently as the target's prefill; the measured rows say how far each part is from that. A part's rate is its

@@ -7,8 +7,8 @@
 #                                                   # by side (the speed targets), both again with the paper's
 #                                                   # overlapping windows, and Llama with the flash kernel for the
 #                                                   # proxy (~9 minutes)
-#   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the kernel and mapper tables (bench_attention_sums,
-#                                                   # bench_kernel_tiles, bench_gpu_mapper, bench_attention_lse)
+#   bash scripts/gpu_benchmarks.sh tests OUT_DIR    # GPU tests, then the kernel and mapper tables
+#                                                   # (bench_kernel_tiles, bench_gpu_mapper, bench_attention_lse)
 #   bash scripts/gpu_benchmarks.sh llama OUT_DIR    # Llama-3.1-8B / 3.2-1B shapes, 4k-32k  -> OUT_DIR/llama/bench.json
 #   KVZIP= bash scripts/gpu_benchmarks.sh llama OUT_DIR          # the same without KVzip (its rows take longest)
 #   bash scripts/gpu_benchmarks.sh qwen OUT_DIR     # Qwen2.5-7B / 1.5B shapes, all five methods -> OUT_DIR/qwen/
@@ -41,8 +41,6 @@ case $phase in
       --repeats 3 --decode-tokens 32 --compile-mapper --out "$out/llama-32k-flash" ;;
   tests)
     gpu_tests
-    python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536
-    python3 "$here/bench_attention_sums.py" --lengths 4096 8192 16384 32768 65536 --statistics sum max
     python3 "$here/bench_kernel_tiles.py" --length 32768 --heads 32 --kv-heads 8 --head-dim 64
     python3 "$here/bench_kernel_tiles.py" --length 32768 --heads 12 --kv-heads 2 --head-dim 128
     python3 "$here/bench_kernel_tiles.py" --length 4130 --queries 2078 --heads 32 --kv-heads 8 --head-dim 128 --max

@@ -5,7 +5,7 @@ import pytest
 
 from proxykv_hf import ProxyKVCache
 from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER, BUNDLED_MAPPERS, load_checkpoint
-from proxykv_hf.testing import pair_installed
+from proxykv_hf.testing import pair_installed, tiny_model
 
 PAIR_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct"
 SELF_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct-self"
@@ -48,8 +48,11 @@ def test_shipped_pair_checkpoint_matches_the_qwen_pair():
     # the paper's depth-proportional pairing: target layer l (1-based) reads proxy layer ceil(l * 24 / 28)
     assert ckpt.mapper.pairing() == [-(-(l + 1) * 24 // 28) - 1 for l in range(28)]
     assert ckpt.metrics["topk_recall@0.3"] > 0.3, "the checkpoint records its validation metrics"
-    card = (BUNDLED_DIR / PAIR_MAPPER / "README.md").read_text()
-    assert "qwen2.5-coder-0.5b-instruct" in card and "dev" in card
+    card = _card(PAIR_MAPPER)
+    assert "| proxy | model: `qwen2.5-coder-0.5b-instruct` (24 layers, 14 heads)" in card
+    assert _recall_row(ckpt) in card  # the validation figures the checkpoint itself records
+    dev = _dev_means("dev_2k_qwen_pair.jsonl.gz")
+    assert f"| {dev['proxykv']} against KVzip's {dev['kvzip']} (" in card  # the dev figures its records give
 
 
 def test_shipped_self_checkpoint_reads_the_qwen_targets_own_attention():
@@ -64,8 +67,36 @@ def test_shipped_self_checkpoint_reads_the_qwen_targets_own_attention():
     assert (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_target_layers, cfg.num_target_heads) == (28, 12, 28, 2)
     assert ckpt.mapper.pairing() == list(range(28))  # each layer reads its own attention
     assert ckpt.metrics["topk_recall@0.3"] > 0.3, "the checkpoint records its validation metrics"
-    card = (BUNDLED_DIR / SELF_MAPPER / "README.md").read_text()
-    assert "self" in card and "dev" in card
+    card = _card(SELF_MAPPER)
+    assert "| proxy | self: the target's own attention" in card and _recall_row(ckpt) in card
+    own, pair = _dev_means("dev_2k_qwen_self.jsonl.gz"), _dev_means("dev_2k_qwen_pair.jsonl.gz")
+    assert f"| {own['proxykv']} against KVzip's {pair['kvzip']} (" in card  # its dev records, KVzip's of the pair run
+
+
+def _card(name: str) -> str:
+    """A bundled checkpoint's model card, its whitespace normalised (a rewrapped line changes no figure)."""
+    return " ".join((BUNDLED_DIR / name / "README.md").read_text().split())
+
+
+def _recall_row(ckpt) -> str:
+    """The card's validation figures as the checkpoint's own metrics give them."""
+    return "top-K recall " + " / ".join(f"{ckpt.metrics[f'topk_recall@{r}']:.3f}" for r in (0.1, 0.3, 0.5))
+
+
+def _dev_means(records: str) -> dict[str, str]:
+    """Each method's mean accuracy % over the keep ratios in ``docs/data/<records>``, as the docs print it."""
+    from pathlib import Path
+
+    from proxykv_hf.eval.report import bootstrap, read_records
+
+    means = bootstrap(read_records(Path(__file__).parents[1] / "docs" / "data" / records), n_boot=2)
+    return {m: f"{100 * v[0]:.1f}" for m, v in means["mean_over_ratios"].items()}
+
+
+def test_a_proxy_handed_to_the_self_mapper_is_refused():
+    """The self mapper reads the target's own attention: a proxy given to it would be ignored (and kept alive)."""
+    with pytest.raises(ValueError, match="proxy= was given.*own attention.*leave proxy= out"):
+        ProxyKVCache.from_pretrained(SELF_MAPPER, 0.3, proxy=tiny_model("llama", num_hidden_layers=2))
 
 
 @pytest.mark.pair

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import BackgroundScorer, ProxyKVCache, RandomScorer, SnapKVScorer, StreamingLLMScorer
-from proxykv_hf.cache import ProxyKVLayer
+from proxykv_hf.cache import DEFAULT_KEEP_RATIO, ProxyKVLayer
 from proxykv_hf.testing import FAMILIES, random_prompt, tiny_model
 
 
@@ -240,10 +240,24 @@ def test_crop_only_after_the_compressed_prompt():
         cache.crop(-5)
 
 
-@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), "0.3", None, True])
+@pytest.mark.parametrize("bad", [0, 0.0, -0.1, 1.5, float("nan"), "0.3", True])
 def test_bad_keep_ratio(bad):
     with pytest.raises(ValueError, match="keep_ratio"):
         ProxyKVCache(SnapKVScorer(), keep_ratio=bad)
+
+
+def test_the_default_keep_ratio_is_the_papers_with_a_scorer_and_one_without():
+    assert ProxyKVCache(SnapKVScorer()).keep_ratio == DEFAULT_KEEP_RATIO
+    assert ProxyKVCache().keep_ratio == ProxyKVCache(None).keep_ratio == 1.0
+
+
+@pytest.mark.parametrize("keep_ratio", [0.3, 0.99])
+def test_a_keep_ratio_below_one_without_a_scorer_is_refused(keep_ratio):
+    """It would keep every token while the cache says keep_ratio (a silent no-op)."""
+    with pytest.raises(ValueError, match=f"keep_ratio={keep_ratio} needs a scorer.*SnapKVScorer"):
+        ProxyKVCache(None, keep_ratio)
+    with pytest.raises(ValueError, match="needs a scorer"):
+        ProxyKVCache(keep_ratio=keep_ratio)
 
 
 def test_all_padding_row_is_an_error():

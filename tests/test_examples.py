@@ -83,3 +83,25 @@ def test_readme_usage_runs_as_written():
     done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Thursday" in done.stdout and "3" in done.stdout
+
+
+def test_readme_opens_with_the_product_and_docs_keep_their_size():
+    """The README's first screen is what it is, the two commands (the test command the one CI runs), the demo's output
+    and the Usage example within its first 40 lines, naming no CPU before it (hardware timings live in
+    docs/performance.md); each doc keeps to its size."""
+    import re
+
+    root = EXAMPLES.parent
+    readme = (root / "README.md").read_text()
+    lines = readme.splitlines()
+    usage = lines.index("## Usage")
+    assert usage < 40, f"## Usage starts on line {usage + 1}"
+    before = "\n".join(lines[:usage])
+    assert not re.findall(r"Xeon|EPYC|AMX|AVX", before)
+    commands = re.search(r"```bash\n(.*?)```", before, re.S).group(1).splitlines()
+    assert commands[0].endswith("&& proxykv demo   # main job") and len(commands) == 2
+    test_command = commands[1].split("#")[0].strip()
+    assert test_command == "python -m pytest -q" and f"\n{test_command}\n" in (root / ".ci" / "run").read_text()
+    for doc, most in {"docs/performance.md": 600, "docs/results.md": 600, "docs/training.md": 260}.items():
+        n = len((root / doc).read_text().splitlines())
+        assert n <= most, f"{doc} has {n} lines, more than {most}"

@@ -27,10 +27,10 @@ RATIO = 0.5
 def world(single_thread):
     model = tiny_model("llama")
     ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=tiny_mapper_checkpoint(model),
-                        kvzip_chunk=16)
+                        fields={"context_chunk": 16})
     # the proxy_* methods read a separate proxy model: another depth and head count than the target's
-    with_proxy = dataclasses.replace(ctx, iam_proxy=tiny_model("llama", num_hidden_layers=3, num_attention_heads=8,
-                                                                seed=1))
+    with_proxy = dataclasses.replace(ctx, proxy=tiny_model("llama", num_hidden_layers=3, num_attention_heads=8,
+                                                            seed=1))
     scorers = {name: registry.build(name, with_proxy if name.startswith("proxy_") else ctx)
                for name in SCORERS if name != "proxykv_self"}
     # the mapper in float32: under bfloat16 autocast (CPUs with AVX512-BF16 or AMX) a padded row's logits differ from

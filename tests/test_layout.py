@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 PKG = Path(__file__).resolve().parents[1] / "proxykv_hf"
-TOOLING = ("train", "eval", "bench", "cli", "cli_helpers", "demo")
+TOOLING = ("train", "eval", "bench", "cli", "cli_helpers", "out_dirs", "demo")
 PRODUCT = sorted(str(p.relative_to(PKG)) for p in [*PKG.glob("*.py"), *(PKG / "scorers").glob("*.py")]
                  if p.stem not in TOOLING)
 """Every module a user imports (the cache, scoring, scorers, mapper, proxy, hub, pipeline, compressed contexts,

@@ -6,11 +6,13 @@ import importlib
 import json
 import shutil
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 import torch
 
 from proxykv_hf import model_cache, model_parts, models
+from proxykv_hf.cli import main
 from proxykv_hf.model_parts import PackagedModel
 from proxykv_hf.testing import pair_installed
 
@@ -208,3 +210,107 @@ def test_real_pair_loads_offline():
     assert (proxy["num_hidden_layers"], proxy["num_attention_heads"], proxy["num_key_value_heads"]) == (24, 14, 2)
     tok = models.load_tokenizer("qwen2.5-coder-0.5b-instruct")
     assert len(tok) >= 151_643 and tok.chat_template
+
+
+# ------------------------------------------------------------------------------------------------ interrupted runs
+def _leftovers_of_a_killed_conversion(cache):
+    """What a conversion killed mid-way leaves (made the way the library makes them): the assembled GGUF and a
+    half-written temporary directory, plus an old copy being moved aside."""
+    import tempfile
+
+    gguf = PackagedModel.get("fake-model").assemble(cache)
+    tmp = Path(tempfile.mkdtemp(prefix=".fake-model.tmp-", dir=cache))
+    (tmp / "model.safetensors").write_bytes(b"half")
+    old = Path(tempfile.mkdtemp(prefix=".fake-model.tmp-old-", dir=cache))
+    (old / "old").mkdir()
+    return [gguf, tmp, old]
+
+
+def _not_ours(cache):
+    """Files in the cache root that the library did not write, some with names close to its own."""
+    kept = {".fake-model.notes.gguf": b"GGUF mine", ".fake-model.abcd1234.gguf": b"my own bytes, not a GGUF",
+            ".other-model.abcd1234.gguf": b"GGUF", ".fake-model.tmp-mine": b"x", "fake-model.abcd1234.gguf": b"GGUF"}
+    for name, data in kept.items():
+        (cache / name).write_bytes(data)
+    (cache / ".fake-model.efgh5678.gguf").symlink_to(cache / ".fake-model.notes.gguf")
+    return kept
+
+
+def test_a_killed_conversions_leftovers_are_removed_by_the_next_load(fake_parts, tmp_path, monkeypatch):
+    calls, cache = [], tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setattr(model_cache, "_convert", _fake_convert(calls))
+    leftovers = _leftovers_of_a_killed_conversion(cache)
+    kept = _not_ours(cache)
+    assert all(p.exists() for p in leftovers)
+    out = models.packaged_model_dir("fake-model", cache_dir=cache)
+    assert len(calls) == 1 and not any(p.exists() for p in leftovers)
+    assert {n: (cache / n).read_bytes() for n in kept} == kept and (cache / ".fake-model.efgh5678.gguf").is_symlink()
+    # killed after the conversion was moved into place: the complete conversion is used, the leftovers removed
+    leftovers = _leftovers_of_a_killed_conversion(cache)
+    assert models.packaged_model_dir("fake-model", cache_dir=cache) == out and len(calls) == 1
+    assert not any(p.exists() for p in leftovers)
+    # while another process holds the model's lock it may be writing them: left alone until a later load
+    leftovers = _leftovers_of_a_killed_conversion(cache)
+    with model_cache._file_lock(cache / ".fake-model.lock"):
+        assert models.packaged_model_dir("fake-model", cache_dir=cache) == out
+        assert all(p.exists() for p in leftovers)
+    models.packaged_model_dir("fake-model", cache_dir=cache)
+    assert not any(p.exists() for p in leftovers) and len(calls) == 1
+    assert {n: (cache / n).read_bytes() for n in kept} == kept
+
+
+# ------------------------------------------------------------------------------------------------ command line
+GENERATE = ["generate", "--model", "fake-model", "--method", "snapkv", "--dtype", "float32", "--prompt", "hi",
+            "--max-new-tokens", "1"]
+
+
+def _cli_error(argv, capsys):
+    """``main(argv)``'s exit status and its stderr lines."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    return info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_model_cache_errors_end_the_command_line_in_one_line(fake_parts, tmp_path, monkeypatch, capsys):
+    import errno
+
+    site, manifest = fake_parts
+    monkeypatch.setattr(model_cache, "_convert", lambda *a, **k: pytest.fail("converted despite the error"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(blocker))  # the cache root is a file
+    code, err = _cli_error(GENERATE, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("proxykv generate: error: "), err
+    assert str(blocker) in err[0] and "PROXYKV_HF_CACHE" in err[0] and "is a file" in err[0]
+    with pytest.raises(model_cache.ModelCacheError, match="PROXYKV_HF_CACHE"):  # -v: the traceback
+        main(["-v", *GENERATE])
+    assert isinstance(model_cache.ModelCacheError("x"), OSError)
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "cache"))
+    real_fdopen = model_parts.os.fdopen
+
+    class FullDisk:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, block):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(model_parts.os, "fdopen", lambda fd, mode="r", *a, **k: FullDisk(real_fdopen(fd, mode)))
+    code, err = _cli_error(GENERATE, capsys)
+    assert code == 2 and len(err) == 1 and "No space left" in err[0] and str(tmp_path / "cache") in err[0], err
+    assert "PROXYKV_HF_CACHE" in err[0] and list((tmp_path / "cache").glob("*.gguf")) == []
+    monkeypatch.setattr(model_parts.os, "fdopen", real_fdopen)
+    part = site / "pkvfake_part3" / "data" / "part03.bin"
+    part.write_bytes(part.read_bytes()[:-1])  # damaged
+    code, err = _cli_error(GENERATE, capsys)
+    assert code == 2 and len(err) == 1 and "pkvfake-part3==0.1.0" in err[0] and "Reinstall" in err[0], err
+    manifest["fake-model"]["packages"][0]["file"] = "pkvfake_absent/data/part01.bin"  # not installed
+    code, err = _cli_error(GENERATE, capsys)
+    assert code == 2 and len(err) == 1 and "pkvfake-part1==0.1.0" in err[0] and "install-models" in err[0], err

@@ -61,3 +61,13 @@ def test_pipeline_batches_with_left_padding_and_leaves_the_tokenizer_alone(targe
     both = pipe(prompts, max_new_tokens=4)
     assert both == [pipe(p, max_new_tokens=4) for p in prompts]
     assert tok.padding_side == "right" and tok.pad_token_id == before
+
+
+def test_a_keep_ratio_without_a_scorer_is_refused_by_both_pipelines(target):
+    """``keep_ratio=0.3`` with the mapper forgotten would keep every token while saying 0.3."""
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="keep_ratio=0.3 needs a scorer.*proxykv="):
+        ProxyKVPipeline(target, tok, keep_ratio=0.3)
+    with pytest.raises(ValueError, match="keep_ratio=0.3 needs a scorer"):
+        pipeline("proxykv-generation", model=target, tokenizer=tok, keep_ratio=0.3)
+    assert ProxyKVPipeline(target, tok).new_cache().keep_ratio == 1.0  # no scorer, no ratio: the full cache

@@ -25,7 +25,7 @@ GEN = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
 def setup():
     model = tiny_model("llama", num_hidden_layers=4)
     mapper = tiny_mapper_checkpoint(model)  # in memory: the registry takes a Checkpoint
-    ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=mapper, kvzip_chunk=16)
+    ctx = ScorerContext(model=model, tokenizer=tiny_tokenizer(), mapper=mapper, fields={"context_chunk": 16})
     return model, _ProxyContexts(ctx)
 
 
@@ -35,7 +35,7 @@ class _ProxyContexts:
     def __init__(self, ctx):
         self.plain = ctx
         self.with_proxy = copy.copy(ctx)
-        self.with_proxy.iam_proxy = tiny_model("llama", num_hidden_layers=3, num_attention_heads=8, seed=1)
+        self.with_proxy.proxy = tiny_model("llama", num_hidden_layers=3, num_attention_heads=8, seed=1)
 
     def __getattr__(self, name):
         return getattr(self.plain, name)

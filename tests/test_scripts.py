@@ -85,8 +85,7 @@ def test_bench_cpu_mapper_prints_one_row_per_length():
     assert len(overlaps) == 4 and all(0.5 < o <= 1.0 for o in overlaps), overlaps  # bfloat16 moves few kept tokens
 
 
-@pytest.mark.parametrize("script", ["bench_kernel_tiles.py", "bench_gpu_mapper.py", "bench_attention_sums.py",
-                                    "bench_attention_lse.py"])
+@pytest.mark.parametrize("script", ["bench_kernel_tiles.py", "bench_gpu_mapper.py", "bench_attention_lse.py"])
 def test_gpu_scripts_parse_their_arguments(script):
     """The GPU-only scripts import and parse their arguments without a GPU (they run on one: gpu_benchmarks.sh)."""
     done = run(script, "--help")

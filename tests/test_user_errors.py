@@ -285,3 +285,80 @@ def test_an_empty_or_continued_context_says_so(tmp_path, capsys):
                    do_sample=False, pad_token_id=0)
     with pytest.raises(ValueError, match=rf"holds \d+ tokens, \d+ after the context's {len(c)}: it was continued"):
         pipe.ask(ctx, "second?", max_new_tokens=3)
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint fields
+def test_a_directory_that_is_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "run"  # a typo'd run directory: exists, holds no checkpoint
+    empty.mkdir()
+    with pytest.raises(OSError, match="is not a ProxyKV mapper checkpoint"):
+        load_checkpoint(empty)
+    code, err = _exit(GEN + ["--method", "proxykv", "--mapper", str(empty)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("proxykv generate: error: "), err
+    assert all(w in lines[0] for w in (str(empty), CONFIG_NAME, WEIGHTS_NAME, "holds")), lines[0]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_layers", 30.0), ("num_layers", "30"), ("num_layers", -5), ("num_layers", True), ("num_kv_heads", 0),
+    ("num_heads", 10), ("model_type", 123), ("model_id", None), ("model_id", ""),
+])
+def test_mistyped_target_fields_name_the_file_and_field(copy_of_bundled, field, value):
+    config = copy_of_bundled / CONFIG_NAME
+    data = json.loads(config.read_text())
+    data["target"][field] = value
+    config.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="malformed") as info:
+        ProxyKVCache.from_pretrained(str(copy_of_bundled), keep_ratio=0.3)
+    assert str(config) in str(info.value) and f"target {field}" in str(info.value) and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda t: t.update(layers=30), ["unknown TargetSpec fields", "'layers'"]),
+    (lambda t: t.pop("num_heads"), ["'num_heads'", "missing"]),
+])
+def test_unknown_or_missing_target_fields_are_named(copy_of_bundled, change, words):
+    config = copy_of_bundled / CONFIG_NAME
+    data = json.loads(config.read_text())
+    change(data["target"])
+    config.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="malformed") as info:
+        load_checkpoint(copy_of_bundled)
+    assert str(config) in str(info.value) and all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_a_model_proxy_without_an_id_is_refused(copy_of_bundled, tmp_path, capsys, monkeypatch):
+    with pytest.raises(ValueError, match="'model' proxy needs model_id"):
+        ProxySpec(kind="model", num_layers=2, num_heads=4)
+    config = copy_of_bundled / CONFIG_NAME
+    data = json.loads(config.read_text())
+    data["proxy"]["kind"] = "model"  # model_id stays null
+    config.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="model_id") as info:
+        load_checkpoint(copy_of_bundled)
+    assert str(config) in str(info.value) and "'proxy'" in str(info.value) and "None" in str(info.value)
+    _no_work(monkeypatch)
+    code, err = _exit(["build-data", "--tiny", "--tasks", "niah_single_1", "--proxy-kind", "model", "--out",
+                       str(tmp_path / "d")], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and lines == ["proxykv build-data: error: --proxy-kind model needs --proxy-model-id: the proxy "
+                                   "model's name, directory or Hub id"], err
+    from proxykv_hf.models import load_model
+
+    with pytest.raises(ValueError, match="no model given"):  # never looked up on the Hub as "None"
+        load_model(None)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--context-lengths", "-64"], ["context_lengths", "-64"]), (["--context-lengths", "0"], ["context_lengths"]),
+    (["--decode-tokens", "-2"], ["decode_tokens", "-2"]), (["--warmup", "-1"], ["warmup", "-1"]),
+    (["--repeats", "0"], ["repeats", "0"]), (["--keep-ratio", "1.5"], ["keep_ratio", "1.5"]),
+])
+def test_bench_numbers_are_checked_before_any_model_loads(capsys, monkeypatch, extra, words):
+    import proxykv_hf.bench.cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "_setup", lambda ns: pytest.fail("loaded a model before checking the numbers"))
+    code, err = _exit(["bench", "--tiny", "--methods", "full", *extra], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("proxykv bench: error: "), err
+    assert all(w in lines[0] for w in words), lines[0]

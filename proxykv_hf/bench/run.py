@@ -39,7 +39,7 @@ from ..compat import with_cache
 from ..fingerprints import dtype_name
 from ..flops import GATED_MLP_FAMILIES
 from ..scorers import registry
-from ..selection import BUDGETS, select_topk
+from ..selection import BUDGETS, check_keep_ratio, select_topk
 from .flops import method_prefill_flops
 
 logger = logging.getLogger(__name__)
@@ -86,8 +86,14 @@ class BenchConfig:
             raise ValueError(f"unknown bench methods {bad}; choose from {', '.join(registry.names())}")
         if "full" not in self.methods:
             self.methods = ["full", *self.methods]  # ratios need the full-cache baseline of the same run
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        lengths = self.context_lengths
+        if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+            raise ValueError(f"context_lengths must be positive token counts, got {lengths!r}")
+        for name, least in (("repeats", 1), ("warmup", 0), ("decode_tokens", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        check_keep_ratio(self.keep_ratio)
 
 
 def _trim_heap() -> None:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ..cache import ProxyKVCache
 from ..compat import with_cache
+from ..file_errors import reading, writing
 from ..pipeline import answer_from_cache
 from ..scorers.kvzip import N_SINK as KVZIP_N_SINK
 from ..selection import BUDGETS, select_topk
@@ -159,14 +160,16 @@ def _save_scores(path: Path, scores: dict[int, torch.Tensor]) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")  # renamed when whole: a stopped run leaves no half-written oracle
-    save_file({str(i): s.contiguous() for i, s in scores.items()}, str(part))
+    with writing(path):
+        save_file({str(i): s.contiguous() for i, s in scores.items()}, str(part))
     os.replace(part, path)
 
 
 def _load_scores(path: Path) -> dict[int, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {int(k): v for k, v in load_file(str(path)).items()}
+    with reading(path, "stored oracle score file"):
+        return {int(k): v for k, v in load_file(str(path)).items()}
 
 
 class Harness:
@@ -177,8 +180,7 @@ class Harness:
         self.options = options or ScorerContext()
         if self.options.tokenizer is None:
             self.options.tokenizer = tokenizer
-        self.out = Path(config.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = Path(config.out_dir)  # created by run(), once the samples are drawn
         self.results_path = self.out / "results.jsonl"
         self.scorers = {m: build_method(m, model, self.options) for m in config.methods}
         # the sinks of the stored KVzip scores, also when a later run adds methods without KVzip itself
@@ -251,16 +253,16 @@ class Harness:
         cfg = self.config
         mapper = self.options.mapper
         options = {"mapper": mapper if mapper is None or isinstance(mapper, (str, os.PathLike)) else
-                   f"a {type(mapper).__name__} in memory", "kvzip_chunk": self.options.kvzip_chunk,
-                   "seed": self.options.seed}
-        (self.out / "config.json").write_text(json.dumps({"config": asdict(cfg), "options": options,
-                                                          "env": environment(self.model)}, indent=2, default=str))
+                   f"a {type(mapper).__name__} in memory", **self.options.fields}  # the scorers' options
         done = self._done()
         units = [(t, n) for t in cfg.tasks for n in cfg.context_lengths]
         indices = range(cfg.shard_index, cfg.n_samples, cfg.num_shards)
-        bar = tqdm(total=len(units) * len(indices) * len(cfg.methods), desc="eval", unit="run")
         samples = {(t, n): dict(zip(indices, task_lib.generate(t, cfg.n_samples, n, self.tok, cfg.seed,
                                                                  indices=indices))) for t, n in units}
+        self.out.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves nothing behind
+        (self.out / "config.json").write_text(json.dumps({"config": asdict(cfg), "options": options,
+                                                          "env": environment(self.model)}, indent=2, default=str))
+        bar = tqdm(total=len(units) * len(indices) * len(cfg.methods), desc="eval", unit="run")
         with self.results_path.open("a") as log:
             for idx in indices:  # sample by sample across tasks: a stopped run leaves every task covered
                 for task, length in units:

@@ -7,7 +7,7 @@ from . import registry
 from .base import BackgroundScorer, LayerInputs, LayerScorer, ModelScorer, Prompt, Scorer
 from .iam import KVzipIAMScorer
 from .kvzip import KVzipScorer
-from .proxy import ProxyScorer
+from .proxy import ProxyScorer, SelfProxyScorer, SeparateProxyScorer
 from .random import RandomScorer
 from .registry import ScorerContext, register
 from .snapkv import SnapKVScorer
@@ -16,4 +16,4 @@ from .streaming import StreamingLLMScorer
 
 __all__ = ["AttentionStatisticScorer", "BackgroundScorer", "KVzipIAMScorer", "KVzipScorer", "LayerInputs",
            "LayerScorer", "ModelScorer", "Prompt", "ProxyScorer", "RandomScorer", "Scorer", "ScorerContext",
-           "SnapKVScorer", "StreamingLLMScorer", "register", "registry"]
+           "SelfProxyScorer", "SeparateProxyScorer", "SnapKVScorer", "StreamingLLMScorer", "register", "registry"]

@@ -14,12 +14,15 @@ else:
 * :class:`ModelScorer` (KVzip): :meth:`ModelScorer.score_all` runs once, after the whole prefill, and returns the
   scores of every compacted layer.
 
-A new method is one subclass of one of these in one file, and one :func:`~proxykv_hf.scorers.registry.register`
-call to give it a name in ``proxykv eval``, ``bench``, ``demo`` and ``generate`` (docs/design.md, "Adding a scorer").
+A new method is one subclass of one of these in one file, a ``@dataclass(kw_only=True)`` whose fields are its
+options (validated in ``__post_init__``; the state of a prompt being scored in ``field(init=False, repr=False,
+compare=False)`` fields), and one :func:`~proxykv_hf.scorers.registry.register` call to give it a name in ``proxykv
+eval``, ``bench``, ``demo`` and ``generate`` (docs/design.md, "Adding a scorer").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -92,7 +95,9 @@ class LayerInputs:
 
 
 class Scorer:
-    """What every scorer has. Subclass :class:`LayerScorer`, :class:`BackgroundScorer` or :class:`ModelScorer`.
+    """What every scorer has. Subclass :class:`LayerScorer`, :class:`BackgroundScorer` or :class:`ModelScorer`, as a
+    dataclass whose fields are the method's options (:meth:`settings` reads them; a scorer that is not a dataclass
+    works too).
 
     Attributes:
         n_sink: first real tokens this method always keeps (merged with the cache's own setting by max).
@@ -109,23 +114,27 @@ class Scorer:
         return self
 
     def settings(self) -> dict:
-        """What this scorer does, as a JSON-able dict: ``"class"`` (module and name) and its options (the public
-        attributes whose values are numbers, strings, booleans, None, dtypes or lists of those; a module attribute,
-        such as a proxy model, by its name and a digest of its weights; tokenizers and devices are left out). A
-        saved context records it, and a context store keys by it
-        (:mod:`proxykv_hf.contexts`), so a scorer whose options the attributes do not show (learned weights)
-        adds what tells two of them apart."""
-        out = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
-        for name, value in sorted(vars(self).items()):
+        """What this scorer does, as a JSON-able dict: ``"class"`` (:meth:`settings_class`) and its options. A
+        saved context records it, and a context store keys by it (:mod:`proxykv_hf.contexts`).
+
+        The options are the fields of a dataclass scorer (:func:`setting_fields`; of another scorer, its public
+        attributes) whose values are numbers, strings, booleans, None, dtypes or lists of those; a module, such as
+        a proxy model, by its name and a digest of its weights; tokenizers and devices are left out. A scorer whose
+        options the fields do not show (learned weights) adds what tells two of them apart."""
+        out = {"class": self.settings_class()}
+        for name, value in sorted(setting_fields(self).items()):
             plain = _plain(value)
-            if name.startswith("_"):
-                continue
             if plain is not _SKIP:
                 out[name] = plain
             elif isinstance(value, torch.nn.Module):  # a proxy model: its name and a digest of its weights (memoised)
                 out[name] = {"name": str(getattr(getattr(value, "config", None), "name_or_path", "") or ""),
                              "weights": weights_digest([value])}
         return out
+
+    @classmethod
+    def settings_class(cls) -> str:
+        """The ``"class"`` of :meth:`settings`: the module and name of the class."""
+        return f"{cls.__module__}.{cls.__qualname__}"
 
     def prepare(self, prompt: Prompt) -> None:
         """Called once when the cache first sees its prompt, before any layer runs (start side work here)."""
@@ -193,6 +202,16 @@ class ModelScorer(Scorer):
 
 
 _SKIP = object()
+
+
+def setting_fields(scorer: Scorer) -> dict:
+    """The options of ``scorer`` by name: a dataclass scorer's fields, but those whose name starts with ``_`` and
+    those marked ``compare=False`` (the state of a prompt being scored, or an option that does not change the
+    scores, such as compiling the mapper); another scorer's public attributes."""
+    if dataclasses.is_dataclass(scorer):
+        return {f.name: getattr(scorer, f.name) for f in dataclasses.fields(scorer)
+                if f.compare and not f.name.startswith("_")}
+    return {name: value for name, value in vars(scorer).items() if not name.startswith("_")}
 
 
 def _plain(value):

@@ -14,6 +14,8 @@ Zhao et al., 2025, cited by the paper). The paper does not give the exact rule, 
 
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass, field, replace
+
 import torch
 
 from .._fields import renamed_option
@@ -31,34 +33,47 @@ def _pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)
 
 
+@dataclass(kw_only=True)
 class KVzipIAMScorer(LayerScorer):
     """KVzip on a proxy + a static layer/head alignment.
 
-    Args:
+    Attributes:
         tokenizer: the (shared) tokenizer, for KVzip's repeat prompts.
         proxy: a separate proxy model; None runs a subset of the target's layers.
         layers: target layers of the layer-subset proxy (default every 3rd); ignored with ``proxy``.
-        context_chunk: KVzip's reconstruction chunk (context tokens per forward); ``chunk_size`` is its deprecated
-            spelling.
+        context_chunk: KVzip's reconstruction chunk (context tokens per forward).
         n_sink: first tokens always kept (KVzip's sinks).
+        layer_map: compacted target layer -> proxy layer, as :meth:`calibrate` sets it; None: the
+            depth-proportional default (filled in by each compression).
+        head_map: ``[target layer][target KV head] -> proxy KV head``, as :meth:`calibrate` sets it; None: the
+            default.
+
+    ``tokenizer`` may be given by position; ``chunk_size=`` is the deprecated spelling of ``context_chunk``.
     """
 
     needs_input_ids = True
 
-    def __init__(self, tokenizer=None, *, proxy=None, layers: list[int] | None = None, context_chunk: int = 2048,
-                 n_sink: int = N_SINK, chunk_size: int | None = None):
-        self.tokenizer, self.proxy, self.layers = tokenizer, proxy, layers
-        self.context_chunk = renamed_option(context_chunk, chunk_size, "KVzipIAMScorer", "chunk_size", "context_chunk")
-        self.n_sink = n_sink
-        self.layer_map: list[int] | None = None  # compacted-layer index -> proxy layer index
-        self.head_map: list[list[int]] | None = None  # [target layer][target KV head] -> proxy KV head
-        self._scores: torch.Tensor | None = None
-        self._filled = None  # (layer_map, head_map) as prepare() filled them in: the default, not a setting
+    tokenizer: object = field(default=None, kw_only=False, repr=False)
+    proxy: torch.nn.Module | None = field(default=None, repr=False)
+    layers: list[int] | None = None
+    context_chunk: int = 2048
+    n_sink: int = N_SINK
+    layer_map: list[int] | None = None
+    head_map: list[list[int]] | None = None
+    chunk_size: InitVar[int | None] = None
+    _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # (layer_map, head_map) as prepare() filled them in: the default alignment, not a setting
+    _filled: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self, chunk_size: int | None):
+        self.context_chunk = renamed_option(self.context_chunk, chunk_size, "KVzipIAMScorer", "chunk_size",
+                                            "context_chunk")
+        if self.proxy is not None and not isinstance(self.proxy, torch.nn.Module):
+            raise ValueError(f"proxy must be a loaded model or None, got {type(self.proxy).__name__}")
 
     def fresh(self) -> "KVzipIAMScorer":
-        clone = KVzipIAMScorer(self.tokenizer, proxy=self.proxy, layers=self.layers, context_chunk=self.context_chunk,
-                               n_sink=self.n_sink)
-        clone.layer_map, clone.head_map, clone._filled = self.layer_map, self.head_map, self._filled
+        clone = replace(self)
+        clone._filled = self._filled
         return clone
 
     def settings(self) -> dict:

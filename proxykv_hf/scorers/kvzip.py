@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import InitVar, dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -61,29 +62,25 @@ _DUMMY = "dummy context"
 _QUERY_BLOCK = 128  # repeat queries per softmax block: memory O(block * (chunk + repeat)) per layer
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
 N_SINK = 4  # first real tokens always kept, as kvpress's KVzipPress
 
 
+@dataclass(kw_only=True)
 class KVzipScorer(ModelScorer):
     """Context-reconstruction scores of KVzip (arXiv:2505.23416), faithful to kvpress's ``KVzipPress``.
 
-    Args:
+    Attributes:
         tokenizer: the model's tokenizer (used for the repeat prompts and the chat-template postfix). None: loaded
             from ``model.config.name_or_path`` with ``local_files_only=True`` at the first prompt
             (:func:`~proxykv_hf.models.load_tokenizer`, so the bundled default's name finds its tokenizer too).
-        context_chunk: real context tokens reconstructed per forward (kvpress: 2048, reference: 2000); the
-            deprecated spelling ``chunk_size`` still works.
+        context_chunk: context tokens KVzip reconstructs per forward (kvpress: 2048, reference: 2000).
         prev_postfix_size: tokens of the previous chunk quoted in the prompt of the next one.
         n_sink: first real tokens that join every chunk's softmax (when they precede the chunk), get score 1.0
             and are always kept.
         use_chat_template: take the postfix from the tokenizer's chat template (else ``"\\n"``).
         dtype: dtype of the scoring softmax; None = float32 (the reference uses the model dtype).
+
+    ``tokenizer`` may be given by position; ``chunk_size=`` is the deprecated spelling of ``context_chunk``.
 
     Example::
 
@@ -96,20 +93,29 @@ class KVzipScorer(ModelScorer):
 
     needs_input_ids = True
 
-    def __init__(self, tokenizer=None, *, context_chunk: int = 2048, prev_postfix_size: int = 8, n_sink: int = N_SINK,
-                 use_chat_template: bool = True, dtype: torch.dtype | None = None, chunk_size: int | None = None):
-        if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "apply_chat_template")):
-            raise ValueError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}")
-        context_chunk = renamed_option(context_chunk, chunk_size, "KVzipScorer", "chunk_size", "context_chunk")
-        self.context_chunk = _check_int("context_chunk", context_chunk, 1)
-        self.prev_postfix_size = _check_int("prev_postfix_size", prev_postfix_size, 0)
-        self.n_sink = _check_int("n_sink", n_sink, 0)
-        if not isinstance(use_chat_template, bool):
-            raise ValueError(f"use_chat_template must be a bool, got {use_chat_template!r}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-        self.tokenizer, self.use_chat_template, self.dtype = tokenizer, use_chat_template, dtype
-        self._templates: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    tokenizer: object = field(default=None, kw_only=False, repr=False)
+    context_chunk: int = 2048
+    prev_postfix_size: int = 8
+    n_sink: int = N_SINK
+    use_chat_template: bool = True
+    dtype: torch.dtype | None = None
+    chunk_size: InitVar[int | None] = None
+    _templates: dict[int, tuple] = field(default_factory=dict, init=False, repr=False, compare=False)  # by tokenizer
+
+    def __post_init__(self, chunk_size: int | None):
+        tok = self.tokenizer
+        if tok is not None and not (hasattr(tok, "encode") and hasattr(tok, "apply_chat_template")):
+            raise ValueError(f"tokenizer must be a transformers tokenizer or None, got {type(tok).__name__}")
+        self.context_chunk = renamed_option(self.context_chunk, chunk_size, "KVzipScorer", "chunk_size",
+                                            "context_chunk")
+        for name, low in (("context_chunk", 1), ("prev_postfix_size", 0), ("n_sink", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.use_chat_template, bool):
+            raise ValueError(f"use_chat_template must be a bool, got {self.use_chat_template!r}")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None, got {self.dtype!r}")
 
     # ----------------------------------------------------------------------------------------------- templates
     def _tokenizer_for(self, model) -> object:

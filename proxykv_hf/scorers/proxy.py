@@ -8,7 +8,9 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +19,9 @@ from ..proxy import check_self_layers, decoder_of, proxy_features
 from ..model_layout import full_attention_layers
 from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums
 from .base import BackgroundScorer, LayerInputs, Prompt
+
+if TYPE_CHECKING:
+    from ..checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -50,23 +55,23 @@ def _cpu_has_bfloat16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+@dataclass(kw_only=True)
 class ProxyScorer(BackgroundScorer):
     """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.checkpoint`), ranked as the mapper gives them (also
     across layers and heads under the global budget: its logits are trained on KVzip's raw scores).
 
-    On the target's first prefill, :meth:`prepare` runs the proxy and the mapper; on CUDA they run on a side stream
-    (or on ``proxy_device``) while the target prefills. The cache compacts each layer as soon as the scores are in
-    (:meth:`ready` polls the side stream's event without blocking); layers prefilled before that are compacted
-    together at the end of the prefill, after the target's stream waits on the event (never a device-wide sync).
-    With a ``"self"`` proxy the features are the target's own attention sums, mapped layer by layer.
+    Two algorithms, one subclass each: :class:`SeparateProxyScorer` runs a proxy (a separate small model, or a subset
+    of the target's layers) and the mapper beside the target's prefill; :class:`SelfProxyScorer` maps the target's
+    own attention statistics layer by layer. ``ProxyScorer(checkpoint, ...)`` and :meth:`from_pretrained` return the
+    one the checkpoint's proxy kind needs; :meth:`settings` names ``ProxyScorer`` for both.
 
     On CUDA, and on CPUs with native bfloat16 arithmetic (AVX512-BF16 or AMX), the mapper runs under bfloat16
     autocast (``mapper_autocast``, :func:`bfloat16_is_fast`); its logits come back in float32.
 
-    Args:
-        checkpoint: a loaded :class:`~proxykv_hf.checkpoint.Checkpoint`.
+    Attributes:
+        checkpoint: a loaded :class:`~proxykv_hf.checkpoint.Checkpoint` (may be given by position).
         proxy_model: the proxy model for kind ``"model"`` checkpoints (:meth:`from_pretrained` loads it).
-        proxy_device: where the proxy and mapper run; default: the target's device.
+        proxy_device: where the proxy and mapper run (e.g. ``"cuda:1"``); default: the target's device.
         chunk_size: queries per chunk in the attention accumulation (PyTorch path).
         n_sink: first tokens always kept (the KVzip teacher protects its sinks the same way).
         mapper_autocast: run the mapper under bfloat16 autocast where :func:`bfloat16_is_fast`.
@@ -74,48 +79,55 @@ class ProxyScorer(BackgroundScorer):
             end (the target's full K/V is then held until the end of the prefill, a higher peak memory). None
             (default): only when the proxy runs on another device than the target. With ``False`` the first
             compacted layer's stream waits on the proxy's event and every layer is compacted as soon as its
-            attention has run.
+            attention has run. A self proxy has no side work to overlap.
         fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
             :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
         compile_mapper: compile the mapper's time encoder with ``torch.compile`` (its forward, in place on the
             checkpoint's mapper, so every scorer sharing that checkpoint runs it compiled; the weights and the state
             dict stay as they are). On a GPU it fuses the encoder's element-wise work (docs/performance.md); the
             first calls pay the compilation (seconds to a minute), so it pays for long-running processes.
+        needs_input_ids: the proxy reads the prompt's token ids (all but a self proxy; set by the subclass).
+        statistics: the statistics a self proxy reads from the target's attention (set by the subclass).
     """
 
-    def __init__(self, checkpoint, *, proxy_model=None, proxy_device=None, chunk_size: int = CHUNK_SIZE,
-                 n_sink: int = 4, mapper_autocast: bool = True, overlap: bool | None = None,
-                 fused: FusedStatistics | None = None, compile_mapper: bool = False):
-        if not isinstance(compile_mapper, bool):
-            raise ValueError(f"compile_mapper must be a bool, got {compile_mapper!r}")
-        self.checkpoint = checkpoint
-        self.spec = checkpoint.proxy
-        if self.spec.kind == "model" and proxy_model is None:
-            raise ValueError("this checkpoint needs its proxy model; pass proxy=... or let from_pretrained load it")
-        self.proxy_model = proxy_model
-        self.proxy_device = None if proxy_device is None else torch.device(proxy_device)
-        self.chunk_size = chunk_size
-        self.n_sink = n_sink
-        self.needs_input_ids = self.spec.kind != "self"
-        self.statistics = tuple(self.spec.statistics) if self.spec.kind == "self" else ()
-        # a self proxy: the compacted layers whose statistics the mapper reads -> their proxy layer index
-        self._proxy_of = {} if self.spec.kind != "self" else {
-            l: p for p, l in enumerate(check_self_layers(self.spec.layers, checkpoint.target.num_layers))}
-        self.fused = fused or FusedStatistics()
-        self.mapper_autocast = mapper_autocast
-        self.overlap = overlap
-        for encoder in (m.time_encoder for m in checkpoint.mappers if compile_mapper):
+    checkpoint: Checkpoint = field(kw_only=False, repr=False)
+    proxy_model: torch.nn.Module | None = field(default=None, repr=False)
+    proxy_device: torch.device | str | None = None
+    chunk_size: int = CHUNK_SIZE
+    n_sink: int = 4
+    mapper_autocast: bool = True
+    overlap: bool | None = None
+    fused: FusedStatistics | None = field(default=None, repr=False, compare=False)
+    compile_mapper: bool = field(default=False, compare=False)  # how fast it scores, not what: not a setting
+    needs_input_ids: bool = field(init=False)
+    statistics: tuple[str, ...] = field(init=False)
+    _padded: bool = field(default=True, init=False, repr=False, compare=False)  # the prompt has padding
+
+    def __new__(cls, *args, **kwargs):
+        """``ProxyScorer(checkpoint, ...)``: the subclass of the checkpoint's proxy kind."""
+        if cls is ProxyScorer:
+            checkpoint = args[0] if args else kwargs.get("checkpoint")
+            kind = getattr(getattr(checkpoint, "proxy", None), "kind", None)
+            cls = SelfProxyScorer if kind == "self" else SeparateProxyScorer
+        return super().__new__(cls)
+
+    def __post_init__(self):
+        if not isinstance(self.compile_mapper, bool):
+            raise ValueError(f"compile_mapper must be a bool, got {self.compile_mapper!r}")
+        self._check_checkpoint()
+        self.proxy_device = None if self.proxy_device is None else torch.device(self.proxy_device)
+        self.fused = self.fused or FusedStatistics()
+        for encoder in (m.time_encoder for m in self.checkpoint.mappers if self.compile_mapper):
             if not hasattr(encoder.forward, "_torchdynamo_orig_callable"):
                 encoder.forward = torch.compile(encoder.forward)
-        self._features: dict[int, torch.Tensor] = {}  # a self proxy's features by proxy layer, while still read
-        # (mapper, proxy layer, the layer's encoding by it), shared by the target layers paired with that layer
-        self._encoded: tuple[object, int, torch.Tensor] | None = None
-        self._same_device = True
-        self._padded = True  # the prompt has padding, so the mapper reads a mask (prepare() checks)
-        self._scores: torch.Tensor | None = None
-        self._event = None
-        self._future: Future | None = None  # the side work's launches (CUDA)
-        self._error: BaseException | None = None
+
+    def _check_checkpoint(self) -> None:
+        """Refuse a checkpoint of another proxy kind; set what the kind decides (``needs_input_ids``, ...)."""
+        raise NotImplementedError(f"{type(self).__name__}._check_checkpoint")
+
+    @classmethod
+    def settings_class(cls) -> str:
+        return f"{__name__}.ProxyScorer"  # both kinds, as saved contexts and context store keys have it
 
     @classmethod
     def from_pretrained(cls, name_or_path, *, proxy=None, proxy_device=None, revision: str | None = None,
@@ -141,6 +153,10 @@ class ProxyScorer(BackgroundScorer):
         else:
             ckpt = load_checkpoint(name_or_path, map_location=proxy_device or "cpu", revision=revision,
                                    cache_dir=cache_dir, token=token, local_files_only=local_files_only)
+        if proxy is not None and ckpt.proxy.kind != "model":
+            raise ValueError(f"proxy= was given, but the checkpoint {_name(name_or_path)} reads the target's own "
+                             f"attention (proxy kind {ckpt.proxy.kind!r}) and uses no separate proxy model: leave "
+                             "proxy= out")
         if ckpt.proxy.kind == "model" and proxy is None:
             from ..models import load_model
 
@@ -154,22 +170,28 @@ class ProxyScorer(BackgroundScorer):
         return cls(ckpt, proxy_model=proxy, proxy_device=proxy_device, **kwargs)
 
     @property
+    def spec(self):
+        """The checkpoint's :class:`~proxykv_hf.proxy.ProxySpec`: what the mapper reads."""
+        return self.checkpoint.proxy
+
+    @property
     def mapper(self):
         """The checkpoint's (first) mapper; a checkpoint of several mappers scores some layers with others
         (:meth:`~proxykv_hf.checkpoint.Checkpoint.mapper_for`)."""
         return self.checkpoint.mapper
 
+    def _fresh_state(self) -> dict:
+        """The state of a prompt being scored, as before any prompt (by attribute name)."""
+        return {}
+
     def fresh(self) -> "ProxyScorer":
         clone = copy.copy(self)
-        clone._scores, clone._event, clone._future, clone._error = None, None, None, None
-        clone._features, clone._encoded = {}, None
+        clone.__dict__.update(self._fresh_state())
         return clone
 
     def __getstate__(self) -> dict:
         """Pickled without the state of a prompt being scored (side-stream handles, features, scores)."""
-        state = dict(self.__dict__)
-        state.update(_scores=None, _event=None, _future=None, _error=None, _features={}, _encoded=None)
-        return state
+        return {**self.__dict__, **self._fresh_state()}
 
     def settings(self) -> dict:
         """The base settings (``n_sink``, ``chunk_size``, ...) and the checkpoint's: proxy, target, mapper config,
@@ -204,11 +226,6 @@ class ProxyScorer(BackgroundScorer):
         return push_to_hub(self.checkpoint, repo_id, private=private, token=token,
                            commit_message=commit_message)
 
-    def statistics_for(self, compact_index: int) -> tuple[str, ...]:
-        """The statistics read from one compacted layer's attention: a self proxy's, on the layers its mapper
-        reads (``ProxySpec.layers``); none elsewhere (those layers run the model's own attention)."""
-        return self.statistics if compact_index in self._proxy_of else ()
-
     def _check(self, prompt: Prompt) -> None:
         model = prompt.model
         self.checkpoint.check_target(model.config)
@@ -220,15 +237,55 @@ class ProxyScorer(BackgroundScorer):
                 raise ValueError(f"proxy and target must share a tokenizer: token id {top} is outside the proxy's "
                                  f"vocabulary ({got} rows; the target has {want})")
 
-    def prepare(self, prompt: Prompt) -> None:
+    def _start(self, prompt: Prompt) -> None:
+        """What :meth:`prepare` does first for either kind: check the prompt, forget the previous one's state."""
         self._check(prompt)
-        self._scores, self._event, self._future, self._error = None, None, None, None
-        self._features, self._encoded = {}, None
+        self.__dict__.update(self._fresh_state())
         # no mask for an unpadded prompt: the proxy's attention stays causal-only (fused attention sums) and the
         # mapper's encoder runs without a padding mask (flash attention); a self proxy's mapper reads this per layer
         self._padded = not bool(prompt.valid.all())
+
+    def _map(self, fn, device: torch.device) -> torch.Tensor:
+        on = self.mapper_autocast and bfloat16_is_fast(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on):
+            return fn().float()
+
+    def features(self, runner, ids, mask) -> torch.Tensor:
+        """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics."""
+        raise NotImplementedError(f"{type(self).__name__}.features")
+
+
+@dataclass(kw_only=True)
+class SeparateProxyScorer(ProxyScorer):
+    """ProxyKV with a proxy that runs as a forward of its own: a separate small model (kind ``"model"``,
+    ``proxy_model``) or a subset of the target's layers (``"layers"``).
+
+    On the target's first prefill, :meth:`prepare` runs the proxy and the mapper; on CUDA they run on a side stream
+    (or on ``proxy_device``) while the target prefills. The cache compacts each layer as soon as the scores are in
+    (:meth:`ready` polls the side stream's event without blocking); layers prefilled before that are compacted
+    together at the end of the prefill, after the target's stream waits on the event (never a device-wide sync).
+    Options: :class:`ProxyScorer`'s.
+    """
+
+    _same_device: bool = field(default=True, init=False, repr=False, compare=False)
+    _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # (B, L_l, H_l, T)
+    _event: object = field(default=None, init=False, repr=False, compare=False)
+    _future: Future | None = field(default=None, init=False, repr=False, compare=False)  # the side work's launches
+    _error: BaseException | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _check_checkpoint(self) -> None:
         if self.spec.kind == "self":
-            return
+            raise ValueError("SeparateProxyScorer runs a proxy of its own, but this checkpoint's proxy kind is "
+                             "'self' (the target's own attention): use SelfProxyScorer, or ProxyScorer(checkpoint)")
+        if self.spec.kind == "model" and self.proxy_model is None:
+            raise ValueError("this checkpoint needs its proxy model; pass proxy=... or let from_pretrained load it")
+        self.needs_input_ids, self.statistics = True, ()
+
+    def _fresh_state(self) -> dict:
+        return {"_scores": None, "_event": None, "_future": None, "_error": None}
+
+    def prepare(self, prompt: Prompt) -> None:
+        self._start(prompt)
         runner = self.proxy_model if self.spec.kind == "model" else prompt.model
         device = self.proxy_device or prompt.input_ids.device
         self._same_device = _same_device(device, prompt.input_ids.device)
@@ -274,19 +331,8 @@ class ProxyScorer(BackgroundScorer):
             if self._scores.device == device:  # read on this stream from now on: keep the allocator from reusing it
                 self._scores.record_stream(torch.cuda.current_stream(device))
 
-    def _map(self, fn, device: torch.device) -> torch.Tensor:
-        on = self.mapper_autocast and bfloat16_is_fast(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on):
-            return fn().float()
-
     @torch.no_grad()
     def features(self, runner, ids, mask) -> torch.Tensor:
-        """The proxy features this scorer's mapper reads: ``runner`` (its layers) on the prompt, its statistics (a
-        ``"self"`` proxy's: those of the target's layers that its mapper reads, ``runner`` being the target)."""
-        if self.spec.kind == "self":
-            full = full_attention_layers(runner)
-            return proxy_features(runner, ids, mask, chunk_size=self.chunk_size, statistics=self.spec.statistics,
-                                  fused=self.fused, statistics_layers=[full[l] for l in self._proxy_of])
         return proxy_features(runner, ids, mask, layers=self.spec.layers, chunk_size=self.chunk_size,
                               statistics=self.spec.statistics, fused=self.fused)
 
@@ -298,23 +344,70 @@ class ProxyScorer(BackgroundScorer):
     @torch.no_grad()
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         device = inputs.keys.device
-        if self.spec.kind == "self":
-            layer = inputs.compact_index
-            if layer in self._proxy_of:
-                x = inputs.statistics  # (B, S * H, T), computed in the attention's own pass, or here:
-                if x is None:
-                    x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
-                                       query_valid=inputs.query_valid.to(device),
-                                       chunk_size=self.chunk_size, statistics=self.spec.statistics)
-                self._features[self._proxy_of[layer]] = x
-            self.checkpoint.to(device)
-            mask = inputs.valid.to(device).long() if self._padded else None
-            return self._map(lambda: self._self_scores(layer, mask), device)
         self._wait(device)
         scores = self._scores[:, inputs.compact_index].to(device, non_blocking=True)
         if inputs.compact_index == self.checkpoint.target.num_layers - 1:
             self._scores, self._event = None, None  # free once the last layer has its scores
         return scores
+
+
+@dataclass(kw_only=True)
+class SelfProxyScorer(ProxyScorer):
+    """ProxyKV with a ``"self"`` proxy: the target's own prefill attention statistics, on the layers its mapper reads
+    (``ProxySpec.layers``), mapped layer by layer as the prefill reaches each layer. There is no forward of its own
+    and no side work (:meth:`ready` is always True); the cache may compute the statistics in the attention's own
+    pass. Options: :class:`ProxyScorer`'s (``proxy_model`` must be None).
+    """
+
+    # the compacted layers whose statistics the mapper reads -> their proxy layer index
+    _proxy_of: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _features: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (mapper, proxy layer, the layer's encoding by it), shared by the target layers paired with that layer
+    _encoded: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def _check_checkpoint(self) -> None:
+        if self.spec.kind != "self":
+            raise ValueError(f"SelfProxyScorer reads the target's own attention, but this checkpoint's proxy kind is "
+                             f"{self.spec.kind!r}: use SeparateProxyScorer, or ProxyScorer(checkpoint)")
+        if self.proxy_model is not None:
+            raise ValueError("a 'self' proxy checkpoint reads the target's own attention and runs no proxy model; "
+                             f"got proxy_model={type(self.proxy_model).__name__}: leave it out")
+        self.needs_input_ids, self.statistics = False, tuple(self.spec.statistics)
+        layers = check_self_layers(self.spec.layers, self.checkpoint.target.num_layers)
+        self._proxy_of = {l: p for p, l in enumerate(layers)}
+
+    def _fresh_state(self) -> dict:
+        return {"_features": {}, "_encoded": None}
+
+    def statistics_for(self, compact_index: int) -> tuple[str, ...]:
+        """The statistics read from one compacted layer's attention: those the mapper reads, on the layers it
+        reads (``ProxySpec.layers``); none elsewhere (those layers run the model's own attention)."""
+        return self.statistics if compact_index in self._proxy_of else ()
+
+    def prepare(self, prompt: Prompt) -> None:
+        self._start(prompt)
+
+    @torch.no_grad()
+    def features(self, runner, ids, mask) -> torch.Tensor:
+        """The statistics of the target's layers that the mapper reads (``runner`` being the target)."""
+        full = full_attention_layers(runner)
+        return proxy_features(runner, ids, mask, chunk_size=self.chunk_size, statistics=self.spec.statistics,
+                              fused=self.fused, statistics_layers=[full[l] for l in self._proxy_of])
+
+    @torch.no_grad()
+    def score(self, inputs: LayerInputs) -> torch.Tensor:
+        device = inputs.keys.device
+        layer = inputs.compact_index
+        if layer in self._proxy_of:
+            x = inputs.statistics  # (B, S * H, T), computed in the attention's own pass, or here:
+            if x is None:
+                x = attention_sums(inputs.queries, inputs.keys, inputs.attention_mask, inputs.scaling,
+                                   query_valid=inputs.query_valid.to(device),
+                                   chunk_size=self.chunk_size, statistics=self.spec.statistics)
+            self._features[self._proxy_of[layer]] = x
+        self.checkpoint.to(device)
+        mask = inputs.valid.to(device).long() if self._padded else None
+        return self._map(lambda: self._self_scores(layer, mask), device)
 
     def _self_scores(self, layer: int, mask: torch.Tensor) -> torch.Tensor:
         """A self proxy's scores of compacted layer ``layer`` from the features of the proxy layer paired with it
@@ -348,3 +441,8 @@ def describe_runner(model) -> str:
     """Short description of a proxy model for logs."""
     d = decoder_of(model)
     return f"{type(model).__name__}({len(d.layers)} layers)"
+
+
+def _name(name_or_path) -> str:
+    """How an error names a checkpoint: its path or id, quoted; one in memory by what it holds."""
+    return "in memory" if not isinstance(name_or_path, (str, os.PathLike)) else repr(str(name_or_path))

@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
+import operator
+from dataclasses import dataclass, field
+
 import torch
 
 from .base import LayerInputs, LayerScorer
 
 
+@dataclass(kw_only=True)
 class RandomScorer(LayerScorer):
     """Independent uniform scores per (row, KV head, token), reproducible from ``seed`` and the layer index.
 
     A row's scores depend only on its number of real tokens, not on the padding around it (a padded row scores as
     it would alone).
 
-    Args:
+    Attributes:
         seed: base seed; layer ``l`` uses ``seed + l``.
     """
 
-    def __init__(self, seed: int = 0):
-        self.seed = int(seed)
+    seed: int = field(default=0, kw_only=False)
+
+    def __post_init__(self):
+        try:
+            if isinstance(self.seed, bool):
+                raise TypeError
+            self.seed = operator.index(self.seed)  # a numpy integer too
+        except TypeError:
+            raise ValueError(f"seed must be an int, got {self.seed!r}") from None
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         B, H_kv, T, _ = inputs.keys.shape

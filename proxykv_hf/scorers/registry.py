@@ -1,16 +1,21 @@
 """Scorers by name: the one list that ``proxykv eval``, ``bench``, ``demo`` and ``generate`` read.
 
-A name maps to a builder ``build(context) -> Scorer``; :class:`ScorerContext` carries what builders may need beyond
-the model (a tokenizer, a mapper checkpoint, a proxy, a seed). ``"full"`` is the name of the uncompressed cache
-(no scorer). Registering a new method::
+A name maps to a scorer dataclass, built as ``cls(**fields)`` (:func:`scorer_fields`: the values a
+:class:`ScorerContext` holds for the class's fields), or to a builder ``build(context) -> Scorer``. ``"full"`` is
+the name of the uncompressed cache (no scorer). Registering a new method::
+
+    from dataclasses import dataclass
 
     from proxykv_hf.scorers import LayerScorer, register
 
+    @dataclass(kw_only=True)
     class KeyNormScorer(LayerScorer):
-        def score(self, inputs):
-            return -inputs.keys.float().norm(dim=-1)  # (B, H_kv, T): small keys kept
+        power: float = 2.0  # the norm's order: a field, so an option (and part of the settings)
 
-    register("keynorm", lambda ctx: KeyNormScorer(), "keys of small norm")
+        def score(self, inputs):
+            return -inputs.keys.float().norm(p=self.power, dim=-1)  # (B, H_kv, T): small keys kept
+
+    register("keynorm", KeyNormScorer, "keys of small norm")
 
 after which ``proxykv eval --plugin mymodule --methods full keynorm`` runs it (``--plugin`` imports the module
 that calls :func:`register`).
@@ -18,6 +23,7 @@ that calls :func:`register`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -25,40 +31,39 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .base import Scorer
+from .iam import KVzipIAMScorer
+from .kvzip import KVzipScorer
+from .proxy import ProxyScorer
+from .random import RandomScorer
+from .snapkv import SnapKVScorer
+from .statistic import AttentionStatisticScorer, ProxyStatisticScorer
+from .streaming import StreamingLLMScorer
 
 FULL = "full"
+_SHARED = ("model", "tokenizer", "mapper", "proxy")  # what a context holds beside the fields, by the fields' names
 
 
 @dataclass(kw_only=True)
 class ScorerContext:
-    """What a builder may need beyond the model.
+    """What a scorer is built from: the model and what comes with it, and the scorers' options.
 
     Attributes:
         model: the target model the scorer's cache will run on.
-        tokenizer: the target's tokenizer (KVzip's repeat prompt).
+        tokenizer: the target's tokenizer (KVzip's repeat prompts).
         mapper: ProxyKV mapper checkpoint: a directory, a Hub id, or a :class:`~proxykv_hf.checkpoint.Checkpoint` in
             memory (e.g. a random one for ``--tiny``).
-        proxy: a loaded proxy model for checkpoints whose proxy is a separate model.
-        proxy_device: where ProxyKV's proxy and mapper run; None: the target's device.
-        iam_proxy: the proxy model of KVzip+IAM (a separate model), or None for a layer subset of the target.
-        iam_layers: the target layers of KVzip+IAM's layer-subset proxy.
-        seed: for the random method.
-        kvzip_chunk: KVzip's reconstruction chunk size.
-        compile_mapper: compile ProxyKV's mapper encoder (:class:`~proxykv_hf.scorers.proxy.ProxyScorer`).
-        extra: anything a registered third-party builder wants.
+        proxy: a separate proxy model, loaded once: KVzip+IAM's, the ``proxy_*`` methods', and ProxyKV's where its
+            mapper reads a separate model (the other methods leave it alone).
+        fields: scorer options by field name, e.g. ``{"context_chunk": 16, "seed": 1}``. One dict serves every method
+            of a run: each scorer dataclass takes those that name its fields (``context_chunk`` reaches KVzip and
+            KVzip+IAM, ``seed`` the random method); a registered builder may read any.
     """
 
     model: object = None
     tokenizer: object = None
     mapper: object = None
     proxy: object = None
-    proxy_device: str | None = None
-    iam_proxy: object = None
-    iam_layers: list[int] | None = None
-    seed: int = 0
-    kvzip_chunk: int = 2048
-    compile_mapper: bool = False
-    extra: dict = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,12 +77,20 @@ class Entry:
 _REGISTRY: dict[str, Entry] = {}
 
 
-def register(name: str, build: Callable[[ScorerContext], Scorer], description: str = "", *,
-             replace: bool = False) -> None:
-    """Give a scorer a name. ``build(context)`` returns a new :class:`~proxykv_hf.scorers.base.Scorer`.
+def register(name: str, build: type | Callable[[ScorerContext], Scorer], description: str = "", *,
+             replace: bool = False, **preset) -> None:
+    """Give a scorer a name.
+
+    Args:
+        name: the method's name (an identifier other than ``"full"``).
+        build: a scorer dataclass, built as ``build(**fields)`` (:func:`scorer_fields`), or a function
+            ``build(context)`` that returns a new :class:`~proxykv_hf.scorers.base.Scorer`.
+        description: one line for ``--help``.
+        replace: replace a name already taken.
+        **preset: fields of a scorer dataclass fixed for this name (e.g. ``statistic="sum"``).
 
     Raises:
-        ValueError: a bad name, or a name already taken (unless ``replace``).
+        ValueError: a bad name, a name already taken (unless ``replace``), or a ``preset`` that is not a field.
     """
     if not isinstance(name, str) or not name.isidentifier() or name == FULL:
         raise ValueError(f"a scorer name must be an identifier other than {FULL!r}, got {name!r}")
@@ -85,7 +98,40 @@ def register(name: str, build: Callable[[ScorerContext], Scorer], description: s
         raise ValueError(f"a scorer named {name!r} is already registered; pass replace=True to replace it")
     if not callable(build):
         raise ValueError(f"build must be callable, got {build!r}")
+    if isinstance(build, type) and dataclasses.is_dataclass(build):
+        build = _dataclass_builder(build, preset)
+    elif preset:
+        raise ValueError(f"preset fields {sorted(preset)} need a scorer dataclass, got {build!r}")
     _REGISTRY[name] = Entry(build, description)
+
+
+def scorer_fields(cls: type, context: ScorerContext, **preset) -> dict:
+    """The arguments of ``cls(**...)`` for the scorer dataclass ``cls``: for each of its init fields, ``preset``'s
+    value, else ``context.fields``', else the context's attribute of that name (``tokenizer``, ``proxy``) where it
+    is not None. Fields found nowhere keep their defaults."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in preset:
+            out[f.name] = preset[f.name]
+        elif f.name in context.fields:
+            out[f.name] = context.fields[f.name]
+        elif f.name in _SHARED and getattr(context, f.name) is not None:
+            out[f.name] = getattr(context, f.name)
+    return out
+
+
+def _dataclass_builder(cls: type, preset: dict) -> Callable[[ScorerContext], Scorer]:
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(preset) - names:
+        raise ValueError(f"{sorted(set(preset) - names)} are not fields of {cls.__name__}; choose from "
+                         f"{sorted(names)}")
+
+    def build(context: ScorerContext) -> Scorer:
+        return cls(**scorer_fields(cls, context, **preset))
+
+    return build
 
 
 def unregister(name: str) -> None:
@@ -154,75 +200,40 @@ def _entry(name: str) -> Entry:
 
 
 # ------------------------------------------------------------------------------------------------ built-in methods
-def _snapkv(ctx: ScorerContext) -> Scorer:
-    from .snapkv import SnapKVScorer
-
-    return SnapKVScorer()
-
-
-def _streaming(ctx: ScorerContext) -> Scorer:
-    from .streaming import StreamingLLMScorer
-
-    return StreamingLLMScorer()
-
-
-def _random(ctx: ScorerContext) -> Scorer:
-    from .random import RandomScorer
-
-    return RandomScorer(ctx.seed)
-
-
-def _kvzip(ctx: ScorerContext) -> Scorer:
-    from .kvzip import KVzipScorer
-
-    return KVzipScorer(ctx.tokenizer, context_chunk=ctx.kvzip_chunk)
-
-
-def _kvzip_iam(ctx: ScorerContext) -> Scorer:
-    from .iam import KVzipIAMScorer
-
-    return KVzipIAMScorer(ctx.tokenizer, proxy=ctx.iam_proxy, layers=ctx.iam_layers, context_chunk=ctx.kvzip_chunk)
-
-
 def _proxykv(ctx: ScorerContext) -> Scorer:
-    from .proxy import ProxyScorer
+    from ..checkpoint import Checkpoint
+    from ..hub import load_checkpoint
 
     if ctx.mapper is None:
         raise ValueError("method 'proxykv' needs a mapper checkpoint (--mapper)")
-    return ProxyScorer.from_pretrained(ctx.mapper, proxy=ctx.proxy, proxy_device=ctx.proxy_device,
-                                       compile_mapper=ctx.compile_mapper)
-
-
-def _statistic(name: str) -> Callable[[ScorerContext], Scorer]:
-    def build_statistic(ctx: ScorerContext) -> Scorer:
-        from .statistic import AttentionStatisticScorer
-
-        return AttentionStatisticScorer(name)
-
-    return build_statistic
+    options = scorer_fields(ProxyScorer, ctx)
+    ckpt = ctx.mapper if isinstance(ctx.mapper, Checkpoint) else \
+        load_checkpoint(ctx.mapper, map_location=options.get("proxy_device") or "cpu")
+    proxy = ctx.proxy if ckpt.proxy.kind == "model" else None  # a self or layer-subset proxy reads the target
+    return ProxyScorer.from_pretrained(ckpt, proxy=proxy, **options)
 
 
 def _proxy_statistic(method: str, statistic: str) -> Callable[[ScorerContext], Scorer]:
     def build_proxy_statistic(ctx: ScorerContext) -> Scorer:
-        from .statistic import ProxyStatisticScorer
-
-        proxy = ctx.proxy if ctx.proxy is not None else ctx.iam_proxy
-        if proxy is None:
+        if ctx.proxy is None and "proxy" not in ctx.fields:
             raise ValueError(f"method {method!r} needs a separate proxy model (--proxy-model)")
-        return ProxyStatisticScorer(proxy, statistic)
+        return ProxyStatisticScorer(**scorer_fields(ProxyStatisticScorer, ctx, statistic=statistic))
 
     return build_proxy_statistic
 
 
-register("kvzip", _kvzip, "KVzip's context-reconstruction scores (the oracle ProxyKV learns)")
-register("snapkv", _snapkv, "attention of the last 64 prompt queries, pooled")
-register("streaming", _streaming, "attention sinks and the most recent tokens")
-register("random", _random, "uniform random scores")
+register("kvzip", KVzipScorer, "KVzip's context-reconstruction scores (the oracle ProxyKV learns)")
+register("snapkv", SnapKVScorer, "attention of the last 64 prompt queries, pooled")
+register("streaming", StreamingLLMScorer, "attention sinks and the most recent tokens")
+register("random", RandomScorer, "uniform random scores")
 register("proxykv", _proxykv, "the trained mapper on the proxy's attention (--mapper)")
-register("kvzip_iam", _kvzip_iam, "KVzip on a proxy, mapped by a fixed layer/head alignment")
-register("attn_sum", _statistic("sum"), "the self proxy's summed attention as scores, no mapper")
-register("attn_max", _statistic("max"), "the self proxy's largest attention as scores, no mapper")
-register("attn_novelty", _statistic("lookback"), "one minus the self proxy's lookback attention, no mapper")
+register("kvzip_iam", KVzipIAMScorer, "KVzip on a proxy, mapped by a fixed layer/head alignment")
+register("attn_sum", AttentionStatisticScorer, "the self proxy's summed attention as scores, no mapper",
+         statistic="sum")
+register("attn_max", AttentionStatisticScorer, "the self proxy's largest attention as scores, no mapper",
+         statistic="max")
+register("attn_novelty", AttentionStatisticScorer, "one minus the self proxy's lookback attention, no mapper",
+         statistic="lookback")
 register("proxy_novelty", _proxy_statistic("proxy_novelty", "lookback"),
          "one minus the proxy model's lookback attention, no mapper (--proxy-model)")
 register("proxy_max", _proxy_statistic("proxy_max", "max"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..scoring import attention_sums
@@ -9,21 +11,28 @@ from ..selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, LayerScorer, merge_statistics
 
 
+@dataclass(kw_only=True)
 class SnapKVScorer(LayerScorer):
     """Attention of the last ``window`` prompt queries, summed over them, average-pooled along the keys and averaged
     over the query heads of each KV head. The observation window itself is always kept.
 
-    Args:
+    Attributes:
         window: number of last prompt tokens whose queries vote (and which are always kept).
         kernel_size: width of the average pooling along the key axis (odd).
         chunk_size: queries per chunk in the attention accumulation.
+        n_recent: the last tokens always kept: the window (set from ``window``).
     """
 
-    def __init__(self, window: int = 64, kernel_size: int = 5, chunk_size: int = 256):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.window, self.kernel_size, self.chunk_size = window, check_kernel_size(kernel_size), chunk_size
-        self.n_recent = window
+    window: int = 64
+    kernel_size: int = 5
+    chunk_size: int = 256
+    n_recent: int = field(init=False)
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an int >= 1, got {self.window!r}")
+        self.kernel_size = check_kernel_size(self.kernel_size)
+        self.n_recent = self.window
 
     def score(self, inputs: LayerInputs) -> torch.Tensor:
         sums = inputs.statistics  # (B, H, T): gathered over the chunks of a chunked prefill

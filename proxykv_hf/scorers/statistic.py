@@ -10,6 +10,8 @@ token copied from earlier text scores low, one with nothing to copy from scores 
 
 from __future__ import annotations
 
+from dataclasses import InitVar, dataclass, field, replace
+
 import torch
 
 from .._fields import renamed_option
@@ -21,33 +23,42 @@ from .base import LayerInputs, LayerScorer, Prompt
 GROUP_REDUCTIONS = ("max", "mean")
 
 
+@dataclass(kw_only=True)
 class AttentionStatisticScorer(LayerScorer):
     """One statistic of each layer's own prefill attention as the layer's scores.
 
     The statistic is taken per query head, then reduced over the query heads of each KV head (``group_reduce``;
     ``"max"`` as KVzip does) and optionally pooled along the keys (``kernel_size``, as SnapKV's).
 
-    Args:
+    Attributes:
         statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (see :func:`~proxykv_hf.scoring.attention_sums`;
             ``"lookback"`` scores ``1 - lookback``, the token's novelty).
         group_reduce: ``"max"`` or ``"mean"`` over the query heads of a KV head.
-        kernel_size: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off);
-            ``pool_kernel`` is its deprecated spelling.
+        kernel_size: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
         n_sink: first tokens always kept.
         chunk_size: queries per chunk when the statistic is not handed over by the cache.
+        statistics: what the cache hands over, ``(statistic,)`` (set from ``statistic``).
+
+    ``statistic`` may be given by position; ``pool_kernel=`` is the deprecated spelling of ``kernel_size``.
     """
 
-    def __init__(self, statistic: str = "max", *, group_reduce: str = "max", kernel_size: int = 1, n_sink: int = 4,
-                 chunk_size: int = CHUNK_SIZE, pool_kernel: int | None = None):
-        (self.statistic,) = check_statistics((statistic,))
-        if group_reduce not in GROUP_REDUCTIONS:
-            raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
-        if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
-            raise ValueError(f"n_sink must be an int >= 0, got {n_sink!r}")
-        self.group_reduce = group_reduce
-        kernel_size = renamed_option(kernel_size, pool_kernel, "AttentionStatisticScorer", "pool_kernel", "kernel_size")
+    statistic: str = field(default="max", kw_only=False)
+    group_reduce: str = "max"
+    kernel_size: int = 1
+    n_sink: int = 4
+    chunk_size: int = CHUNK_SIZE
+    pool_kernel: InitVar[int | None] = None
+    statistics: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self, pool_kernel: int | None):
+        (self.statistic,) = check_statistics((self.statistic,))
+        if self.group_reduce not in GROUP_REDUCTIONS:
+            raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
+        kernel_size = renamed_option(self.kernel_size, pool_kernel, "AttentionStatisticScorer", "pool_kernel",
+                                     "kernel_size")
         self.kernel_size = check_kernel_size(kernel_size, "kernel_size")
-        self.n_sink, self.chunk_size = n_sink, chunk_size
         self.statistics = (self.statistic,)
 
     @torch.no_grad()
@@ -67,6 +78,7 @@ class AttentionStatisticScorer(LayerScorer):
         return smooth_scores(scores, inputs.valid.to(device), self.kernel_size, keep_peaks=True)
 
 
+@dataclass(kw_only=True)
 class ProxyStatisticScorer(LayerScorer):
     """One statistic of a separate proxy model's attention as the target's scores, with no learned mapper: the
     "proxy's statistics without a mapper" baseline of a real proxy, the counterpart of
@@ -76,32 +88,39 @@ class ProxyStatisticScorer(LayerScorer):
     ``ceil(l * L_s / L_t)`` (the depth-proportional pairing of the mapper and of KVzip+IAM), and target KV head ``h``
     reads the query heads of proxy KV head ``floor(h * Hkv_s / Hkv_t)``, reduced by ``group_reduce``.
 
-    Args:
+    Attributes:
         proxy: the proxy model (same tokenizer as the target).
         statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (scored as ``1 - lookback``, the token's novelty).
         group_reduce: ``"max"`` or ``"mean"`` over the proxy query heads read by a target KV head.
         kernel_size: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
         n_sink: first tokens always kept.
         chunk_size: queries per chunk in the proxy's attention accumulation.
+
+    ``proxy`` and ``statistic`` may be given by position.
     """
 
     needs_input_ids = True
 
-    def __init__(self, proxy, statistic: str = "lookback", *, group_reduce: str = "max", kernel_size: int = 1,
-                 n_sink: int = 4, chunk_size: int = CHUNK_SIZE):
-        if not isinstance(proxy, torch.nn.Module):
-            raise ValueError(f"proxy must be a loaded model, got {type(proxy).__name__}")
-        self.proxy = proxy
-        self._self = AttentionStatisticScorer(statistic, group_reduce=group_reduce, kernel_size=kernel_size,
-                                              n_sink=n_sink, chunk_size=chunk_size)
-        self.statistic, self.group_reduce, self.kernel_size = statistic, group_reduce, self._self.kernel_size
-        self.n_sink, self.chunk_size = n_sink, chunk_size
-        self._features: torch.Tensor | None = None  # (B, L_s, H_s, T) of the prompt being scored
-        self._layer_map: list[int] = []
+    proxy: torch.nn.Module = field(kw_only=False, repr=False)
+    statistic: str = field(default="lookback", kw_only=False)
+    group_reduce: str = "max"
+    kernel_size: int = 1
+    n_sink: int = 4
+    chunk_size: int = CHUNK_SIZE
+    _self: AttentionStatisticScorer = field(init=False, repr=False, compare=False)  # the scores of mapped features
+    _features: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # (B, L_s, H_s, T)
+    _layer_map: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.proxy, torch.nn.Module):
+            raise ValueError(f"proxy must be a loaded model, got {type(self.proxy).__name__}")
+        self._self = AttentionStatisticScorer(self.statistic, group_reduce=self.group_reduce,
+                                              kernel_size=self.kernel_size, n_sink=self.n_sink,
+                                              chunk_size=self.chunk_size)
+        self.kernel_size = self._self.kernel_size
 
     def fresh(self) -> "ProxyStatisticScorer":
-        return ProxyStatisticScorer(self.proxy, self.statistic, group_reduce=self.group_reduce,
-                                    kernel_size=self.kernel_size, n_sink=self.n_sink, chunk_size=self.chunk_size)
+        return replace(self)
 
     @torch.no_grad()
     def prepare(self, prompt: Prompt) -> None:

@@ -97,6 +97,8 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
             for p in out.glob("shard-*.safetensors*"):
                 p.unlink()
             (out / MANIFEST_NAME).unlink()
+    if not (out / MANIFEST_NAME).exists():  # first: the directory is a dataset's from the start (proxykv_hf.out_dirs)
+        manifest.save(out)
     done = set(manifest.done)
     writer = ShardWriter(out, manifest, config)
     seen: set[str] = set()

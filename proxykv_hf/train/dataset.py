@@ -11,10 +11,10 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
-from safetensors import safe_open
 from torch.utils.data import Dataset, Subset
 
 from .manifest import Manifest
+from .shards import open_shard
 
 
 class MapperDataset(Dataset):
@@ -58,8 +58,8 @@ class MapperDataset(Dataset):
         return {**self.__dict__, "_handles": {}}
 
     def _open(self, shard: int):
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.root / self.files[shard]), framework="pt")
+        if shard not in self._handles:  # a missing or damaged shard: an error naming it
+            self._handles[shard] = open_shard(self.root / self.files[shard], self.manifest.shards[shard]["crops"])
         return self._handles[shard]
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:

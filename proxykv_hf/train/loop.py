@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from ..checkpoint import CONFIG_NAME, Checkpoint, save_checkpoint
+from ..checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, save_checkpoint
+from ..file_errors import writing
 from ..hub import load_checkpoint
 from ..mapper import HybridAxialMapper, MapperConfig
 from .config import TrainConfig
@@ -209,9 +210,10 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
                 training = {**summary, "steps": state.step, "epochs": _epochs(state, steps_per_epoch),
                             "wall_time_s": round(state.wall_s, 1), "best_epoch": state.epoch,
                             "best_step": state.step, "selected_by": "val loss" if metrics else "train loss"}
-                save_checkpoint(Checkpoint(mapper=unwrapped, proxy=manifest.proxy_spec(),
-                                           target=manifest.target_spec(), training=training,
-                                           metrics={k: v for k, v in metrics.items() if k != "crops"}), out)
+                with writing(out / WEIGHTS_NAME):  # a full disk: an OSError naming the file
+                    save_checkpoint(Checkpoint(mapper=unwrapped, proxy=manifest.proxy_spec(),
+                                               target=manifest.target_spec(), training=training,
+                                               metrics={k: v for k, v in metrics.items() if k != "crops"}), out)
                 has_best = True
             save_last(out, unwrapped, optimizer, scheduler, state, gen, mapper_config, cfg)
             if time.perf_counter() - last_plot > PLOT_INTERVAL_S:  # long runs: a fresh figure now and then

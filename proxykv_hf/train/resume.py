@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint import WEIGHTS_NAME
+from ..file_errors import reading, writing
 from ..mapper import MapperConfig
 from .config import TrainConfig
 from .optim import WarmupPlateau
@@ -49,8 +50,9 @@ def save_last(out: Path, mapper, optimizer, scheduler: WarmupPlateau, state: Tra
     tmp, last, old = out / (LAST_DIR + ".tmp"), out / LAST_DIR, out / (LAST_DIR + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in mapper.state_dict().items()},
-              str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    with writing(last / WEIGHTS_NAME):
+        save_file({k: v.detach().contiguous().cpu() for k, v in mapper.state_dict().items()},
+                  str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "loss_pairs": gen.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -95,7 +97,9 @@ def load_last(path: Path, mapper, optimizer, scheduler: WarmupPlateau, gen: torc
                 if saved["mapper_config"].get(k) != v}
         raise ValueError(f"{path} holds a run with another mapper config (field: (saved, new)) {diff}; "
                          "use another out_dir or resume=False")
-    mapper.load_state_dict(load_file(str(path / WEIGHTS_NAME), device=str(next(mapper.parameters()).device)))
+    with reading(path / WEIGHTS_NAME, "saved training state"):
+        weights = load_file(str(path / WEIGHTS_NAME), device=str(next(mapper.parameters()).device))
+    mapper.load_state_dict(weights)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     rng = saved["rng"]

@@ -11,16 +11,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from ..context_files import normalize, temp_name
+from ..file_errors import reading, writing
 from ..mapper import window_starts
-from .manifest import FLOAT16_MAX, STORAGE_DTYPES, DataConfig, Manifest
+from .manifest import FLOAT16_MAX, MANIFEST_NAME, STORAGE_DTYPES, DataConfig, Manifest
+
+SHARD_TENSORS = ("x", "y", "mask", "length", "start", "text")
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +71,11 @@ class ShardWriter:
                 x = x.clamp_max(FLOAT16_MAX)
             name = f"shard-{len(m.shards):05d}.safetensors"
             tmp = self.out / (name + ".tmp")
-            save_file({"x": x.to(dtype).contiguous(), "y": y.to(dtype).contiguous(), "mask": mask,
-                       "length": length, "start": torch.tensor([cr[3] for cr in self.crops], dtype=torch.int64),
-                       "text": torch.tensor([cr[4] for cr in self.crops], dtype=torch.int64)},
-                      str(tmp), metadata={"format": "pt"})
+            with writing(self.out / name):
+                save_file({"x": x.to(dtype).contiguous(), "y": y.to(dtype).contiguous(), "mask": mask,
+                           "length": length, "start": torch.tensor([cr[3] for cr in self.crops], dtype=torch.int64),
+                           "text": torch.tensor([cr[4] for cr in self.crops], dtype=torch.int64)},
+                          str(tmp), metadata={"format": "pt"})
             os.replace(tmp, self.out / name)
             size = (self.out / name).stat().st_size
             m.shards.append({"file": name, "crops": len(self.crops), "tokens": int(length.sum()), "bytes": size})
@@ -94,8 +101,6 @@ def stored_scores(data_dir: str | os.PathLike) -> tuple[dict[str, Tensor], Manif
     crops and keyed by text hash (:func:`~proxykv_hf.train.features.text_key`), with its manifest: a new dataset
     of the same texts with other proxy features can reuse them (``build_dataset(..., scores_from=...)``) instead
     of running the oracle again. All of them are held in memory (float32, ``L_l * H_kv * 4`` bytes a token)."""
-    from safetensors import safe_open
-
     data_dir = Path(data_dir)
     manifest = Manifest.load(data_dir)
     if manifest.skipped_short:
@@ -103,7 +108,7 @@ def stored_scores(data_dir: str | os.PathLike) -> tuple[dict[str, Tensor], Manif
                          "its text hashes; rebuild it with a smaller min_length to reuse its scores")
     crops: dict[int, list[tuple[int, int, Tensor]]] = {}
     for shard in manifest.shards:
-        with safe_open(str(data_dir / shard["file"]), "pt") as f:
+        with open_shard(data_dir / shard["file"], shard["crops"]) as f, reading(data_dir / shard["file"], "shard"):
             y, text, start, length = (f.get_tensor(k) for k in ("y", "text", "start", "length"))
         for i in range(len(text)):
             crops.setdefault(int(text[i]), []).append((int(start[i]), int(length[i]), y[i]))
@@ -126,15 +131,72 @@ def merge_datasets(sources: Sequence[str | os.PathLike], out_dir: str | os.PathL
     Returns:
         The merged manifest (also written to ``out_dir``).
 
+    Every source and every shard is checked before the first byte is written, and ``out_dir`` appears whole or
+    not at all (:func:`write_whole`).
+
     Raises:
-        ValueError: fewer than two sources, mismatched sources, a text in two sources, or a non-empty ``out_dir``.
+        ValueError: fewer than two sources, mismatched sources, a text in two sources, a damaged shard, or a
+            non-empty ``out_dir``.
+        FileNotFoundError: a source or a shard its manifest lists is missing.
     """
     if len(sources) < 2:
         raise ValueError(f"merge needs at least two datasets, got {len(sources)}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    out = normalize(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} is not empty; merge into a new directory")
-    return merge_into(sources, out)
+    return write_whole(out, lambda tmp: merge_into(sources, tmp))
+
+
+def write_whole(out: Path, fill: Callable[[Path], Manifest]) -> Manifest:
+    """Write the new or empty directory ``out`` whole or not at all: ``fill(tmp)`` writes into a temporary directory
+    beside it (inside it, when it exists), which then becomes ``out`` (a rename; the files moved into an existing
+    ``out``, the manifest last). On any error nothing is left, and an ``OSError`` names the file in ``out``."""
+    out = normalize(out)
+    exists = out.is_dir()
+    if not exists:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = (out if exists else out.parent) / temp_name(out.name)
+    tmp.mkdir()
+    moved: list[Path] = []
+    try:
+        result = fill(tmp)
+        if exists:
+            for name in sorted(os.listdir(tmp), key=lambda n: n == MANIFEST_NAME):  # until it lands, no dataset
+                os.replace(tmp / name, out / name)
+                moved.append(out / name)
+            tmp.rmdir()
+        else:
+            os.rename(tmp, out)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for path in moved:
+            path.unlink(missing_ok=True)
+        if isinstance(err, OSError) and isinstance(err.filename, str) and err.filename.startswith(str(tmp)):
+            err.filename = str(out) + err.filename[len(str(tmp)):]
+        raise
+    return result
+
+
+def open_shard(path: str | os.PathLike, crops: int | None = None):
+    """The shard ``path`` opened (``safe_open``, tensors read lazily), checked: its header is whole and lists the
+    tensors of a shard, of ``crops`` rows (the manifest's count) where given.
+
+    Raises:
+        FileNotFoundError: the shard is missing.
+        ValueError: the shard is damaged, truncated or not a shard; the message names it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: its dataset's {MANIFEST_NAME} lists it")
+    with reading(path, "shard"):
+        f = safe_open(str(path), framework="pt")
+        names = set(f.keys())
+        rows = f.get_slice("text").get_shape()[0] if "text" in names else None
+    missing = [n for n in SHARD_TENSORS if n not in names]
+    if missing or (crops is not None and rows != crops):
+        what = f"no tensor {missing[0]!r}" if missing else f"{rows} crops, where its {MANIFEST_NAME} lists {crops}"
+        raise ValueError(f"{path} is not a whole shard ({what}): the dataset is damaged")
+    return f
 
 
 def merge_into(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> Manifest:
@@ -158,6 +220,10 @@ def merge_into(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike)
             if key in seen:
                 raise ValueError(f"text {key} is in both {seen[key]} and {src}; merging would count it twice")
             seen[key] = str(src)
+    for src, m in zip(sources, manifests):  # every shard whole, before the first byte is written
+        for shard in m.shards:
+            with open_shard(Path(src) / shard["file"], shard["crops"]):
+                pass
     out.mkdir(parents=True, exist_ok=True)
     merged = dataclasses.replace(first, texts=0, tokens=0, crops=0, skipped_short=0, truncated=0,
                                  sources={}, shards=[], done=[], disk_bytes=0,
@@ -166,10 +232,12 @@ def merge_into(sources: Sequence[str | os.PathLike], out_dir: str | os.PathLike)
         merged.oracle = "mixed: " + ", ".join(sorted({m.oracle for m in manifests}))
     for src, m in zip(sources, manifests):
         for shard in m.shards:
-            tensors = load_file(str(Path(src) / shard["file"]))
+            with reading(Path(src) / shard["file"], "shard"):
+                tensors = load_file(str(Path(src) / shard["file"]))
             tensors["text"] = tensors["text"] + merged.texts
             name = f"shard-{len(merged.shards):05d}.safetensors"
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            with writing(out / name):
+                save_file(tensors, str(out / name), metadata={"format": "pt"})
             size = (out / name).stat().st_size
             merged.shards.append({**shard, "file": name, "bytes": size})
             merged.disk_bytes += size

@@ -40,12 +40,16 @@ def texts_from_tasks(task_names: Sequence[str], n_per_task: int, target_tokens: 
 def texts_from_files(paths: str | os.PathLike | Sequence[str | os.PathLike], *, split_paragraphs: bool = False,
                      field: str = "text") -> Iterator[dict]:
     """Texts from ``.txt`` files (one document per file, or per blank-line-separated block with
-    ``split_paragraphs``) and ``.jsonl`` files (the ``field`` of each line); directories are searched for both."""
+    ``split_paragraphs``) and ``.jsonl`` files (the ``field`` of each line); directories are searched for both (a
+    directory holding neither raises ``ValueError``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[Path] = []
     for p in map(Path, paths):
-        files += sorted([*p.glob("*.txt"), *p.glob("*.jsonl")]) if p.is_dir() else [p]
+        found = sorted([*p.glob("*.txt"), *p.glob("*.jsonl")]) if p.is_dir() else [p]
+        if not found:
+            raise ValueError(f"the directory {p} holds no .txt or .jsonl file to read texts from")
+        files += found
     for path in files:
         if path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as fh:
