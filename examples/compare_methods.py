@@ -21,10 +21,9 @@ from pathlib import Path
 
 from generate import pass_key_document  # examples/generate.py, beside this file
 
-from proxykv_hf import (KVzipScorer, ProxyKVCache, ProxyKVPipeline, RandomScorer, SnapKVScorer,
-                        StreamingLLMScorer)
-from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER
-from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyKVPipeline, RandomScorer, SnapKVScorer, StreamingLLMScorer
+from proxykv_hf.mapper.hub import BUNDLED_DIR, BUNDLED_MAPPER
+from proxykv_hf.models.loading import DEFAULT_MODEL, load_model_and_tokenizer
 
 METHODS = ("full", "proxykv", "kvzip", "snapkv", "streaming", "random")
 

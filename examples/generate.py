@@ -18,9 +18,9 @@ import random
 from pathlib import Path
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.compat import with_cache
-from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER
-from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.hub import BUNDLED_DIR, BUNDLED_MAPPER
+from proxykv_hf.models.loading import DEFAULT_MODEL, load_model_and_tokenizer
 
 SENTENCES = [
     "The morning train was late again, so most people waited on the platform with coffee.",

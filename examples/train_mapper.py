@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from proxykv_hf.models import DEFAULT_MODEL, load_model_and_tokenizer
+from proxykv_hf.models.loading import DEFAULT_MODEL, load_model_and_tokenizer
 from proxykv_hf.train import DataConfig, TrainConfig, build_dataset, mapper_config_for, texts_from_tasks, train_mapper
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2", "niah_multivalue", "cwe", "fwe",

@@ -103,13 +103,13 @@ def random_prompt(batch: int, length: int, *, seed: int = 0, pad_to: int | None 
 
 
 def tiny_checkpoint(kind: str = "self", *, num_target_layers: int = 4):
-    """A :class:`~proxykv_hf.checkpoint.Checkpoint` of a random tiny mapper (seed 0) for a ``tiny_model("llama",
+    """A :class:`~proxykv_hf.mapper.checkpoint.Checkpoint` of a random tiny mapper (seed 0) for a ``tiny_model("llama",
     num_hidden_layers=num_target_layers)`` target (4 query heads, 2 KV heads), read through a proxy of ``kind``:
     ``"model"`` (a 2-layer tiny model, e.g. ``tiny_model("llama", num_hidden_layers=2, seed=1)``), ``"layers"``
     (every other target layer) or ``"self"`` (every target layer, the attention sums)."""
-    from .checkpoint import Checkpoint, TargetSpec
-    from .mapper import HybridAxialMapper, MapperConfig
-    from .proxy import ProxySpec, every_kth_layer
+    from .mapper.checkpoint import Checkpoint, TargetSpec
+    from .mapper.model import HybridAxialMapper, MapperConfig
+    from .mapper.proxy import ProxySpec, every_kth_layer
 
     specs = {
         "model": lambda: ProxySpec(kind="model", num_layers=2, num_heads=4, model_id="tiny-proxy"),
@@ -133,9 +133,9 @@ def self_proxy_scorer(model, **kwargs):
     """A :class:`~proxykv_hf.scorers.proxy.ProxyScorer` with a random tiny mapper (seed 0) on ``model``'s own
     attention (the bundled mapper's path: sum, max and lookback statistics of every layer), in float32;
     ``kwargs``: the scorer's options."""
-    from .checkpoint import Checkpoint, TargetSpec
-    from .mapper import HybridAxialMapper, MapperConfig
-    from .proxy import ProxySpec
+    from .mapper.checkpoint import Checkpoint, TargetSpec
+    from .mapper.model import HybridAxialMapper, MapperConfig
+    from .mapper.proxy import ProxySpec
     from .scorers.proxy import ProxyScorer
 
     cfg = model.config
@@ -156,7 +156,7 @@ def self_proxy_scorer(model, **kwargs):
 def pair_installed() -> bool:
     """Whether the Qwen2.5-Coder pair's GGUF parts are installed (located, never imported), for tests marked
     ``pair``."""
-    from .model_parts import PackagedModel
+    from .models.parts import PackagedModel
 
     try:
         for name in PackagedModel.names():

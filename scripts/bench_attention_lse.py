@@ -22,7 +22,7 @@ import json
 import torch
 from bench_kernel_tiles import median_ms  # the script beside this one (its directory is on sys.path)
 
-from proxykv_hf import kernels
+from proxykv_hf.attention import kernels
 
 
 def main(argv=None) -> None:

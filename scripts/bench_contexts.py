@@ -26,14 +26,15 @@ from pathlib import Path
 
 import torch
 
-from proxykv_hf import ProxyKVCache, fingerprints
-from proxykv_hf.compat import with_cache
+from proxykv_hf import ProxyKVCache
+from proxykv_hf.models import fingerprints
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.eval import tasks as task_lib
 from proxykv_hf.eval.prompts import encode_sample
 from proxykv_hf.eval.splits import SPLITS
-from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER
-from proxykv_hf.models import load_model_and_tokenizer
-from proxykv_hf.pipeline import compress_context
+from proxykv_hf.mapper.hub import BUNDLED_DIR, BUNDLED_MAPPER
+from proxykv_hf.models.loading import load_model_and_tokenizer
+from proxykv_hf.contexts.pipeline import compress_context
 
 WARMUP_TOKENS = 512
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from proxykv_hf import scoring, scoring_torch
+from proxykv_hf.attention import statistics as scoring, statistics_torch as scoring_torch
 
 
 def best_of(fn, repeats: int) -> float:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from bench_cpu_attention import in_turn  # the script beside this one (its directory is on sys.path)
 
-from proxykv_hf import mapper as mapper_module
-from proxykv_hf.hub import BUNDLED_MAPPER, load_checkpoint
+from proxykv_hf.mapper import model as mapper_module
+from proxykv_hf.mapper.hub import BUNDLED_MAPPER, load_checkpoint
 from proxykv_hf.scorers.proxy import bfloat16_is_fast
 from proxykv_hf.train.metrics import topk_recall
 

@@ -16,8 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.compat import with_cache
-from proxykv_hf.models import load_model
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.models.loading import load_model
 
 
 def seconds(fn) -> float:

@@ -24,7 +24,7 @@ import torch
 from bench_kernel_tiles import median_ms  # the script beside this one (its directory is on sys.path)
 
 from proxykv_hf.bench.shapes import pair_mapper_config
-from proxykv_hf.mapper import HybridAxialMapper
+from proxykv_hf.mapper.model import HybridAxialMapper
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,7 @@ KVzip's scoring for one 2048-token chunk of the Llama-3.1-8B shape (4 sinks + 20
 ``--max`` adds the per-key maxima. Each row: the median of ``--repeats`` CUDA-event timings after a warm-up (which
 compiles the kernel), and the largest relative difference from the first setting's sums; each setting with both
 ways pass 2 accumulates (``tile_acc``).
-:func:`proxykv_hf.kernels.default_tiles` holds the fastest per head dimension.
+:func:`proxykv_hf.attention.kernels.default_tiles` holds the fastest per head dimension.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from proxykv_hf import kernels
+from proxykv_hf.attention import kernels
 
 SETTINGS = [(128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 2),
             (64, 128, 4, 4), (128, 128, 8, 2), (256, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 3), (256, 64, 8, 3)]

@@ -1,5 +1,5 @@
 """ProxyKV's compute floor on one device: matmul FLOPs of the full prefill and of ProxyKV's parts, per pair of real
-shapes (``proxykv_hf.flops``), and, from ``proxykv bench`` JSON files of those shapes, what each part reached.
+shapes (``proxykv_hf.bench.flop_model``), and, from ``proxykv bench`` JSON files of those shapes, what each part reached.
 
 How to run me (CPU, seconds)::
 
@@ -21,8 +21,8 @@ import argparse
 import functools
 import json
 
-from proxykv_hf.cli_helpers import mapper_overrides
-from proxykv_hf.flops import kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
+from proxykv_hf.cli.helpers import mapper_overrides
+from proxykv_hf.bench.flop_model import kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
 from proxykv_hf.bench.shapes import PAIRS, pair_mapper_config, shape_config
 from proxykv_hf.scorers.kvzip import KVzipScorer
 from proxykv_hf.testing import tiny_tokenizer

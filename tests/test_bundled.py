@@ -1,26 +1,72 @@
 """The mapper checkpoints shipped in the package match their targets: the bundled SmolLM2-135M-Instruct (a self
-proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy, or its own attention)."""
+proxy) and Qwen2.5-Coder-1.5B-Instruct (its 0.5B sibling as the proxy, or its own attention); their configs hold
+only what ``save_checkpoint`` and ``train`` write today."""
+
+import dataclasses
+import hashlib
+import json
 
 import pytest
+import torch
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.hub import BUNDLED_DIR, BUNDLED_MAPPER, BUNDLED_MAPPERS, load_checkpoint
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.hub import BUNDLED_DIR, BUNDLED_MAPPER, BUNDLED_MAPPERS, CONFIG_NAME, load_checkpoint
+from proxykv_hf.mapper.model import MapperConfig
 from proxykv_hf.testing import pair_installed, tiny_model
 
 PAIR_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct"
 SELF_MAPPER = "proxykv-qwen2.5-coder-1.5b-instruct-self"
+BUNDLED = (BUNDLED_MAPPER, PAIR_MAPPER, SELF_MAPPER)
+CONFIG_KEYS = {"format_version", "mapper", "proxy", "target", "pairing", "layer_mappers", "training", "metrics"}
+TRAINING_KEYS = {"texts", "crops", "tokens", "tasks", "crop_len", "stride", "oracle", "train_crops", "val_crops",
+                 "data_dir", "train_config", "device", "num_processes", "steps", "epochs", "wall_time_s",
+                 "best_epoch", "best_step", "selected_by"}
+"""What ``train`` writes under ``"training"`` (``train/loop.py``, ``Manifest.summary``)."""
 
 
 def test_shipped_checkpoint_matches_smollm2_shape():
+    """The bundled SmolLM2 checkpoint as it loads, pinned: its mapper config, specs, the metrics its card and
+    docs/training.md quote, and which tokens its two mappers rank first on fixed features (pinned before its config
+    lost the removed options and the training lineage, so that rewriting it changed nothing it does)."""
     path = BUNDLED_DIR / BUNDLED_MAPPER
     assert path.is_dir(), f"the bundled mapper is missing from {path}"
     ckpt = load_checkpoint(BUNDLED_MAPPER)  # resolves by name, offline
-    assert (ckpt.target.num_layers, ckpt.target.num_kv_heads, ckpt.target.num_heads) == (30, 3, 9)
-    assert ckpt.mapper.config.num_target_layers == 30 and ckpt.mapper.config.num_target_heads == 3
-    assert ckpt.proxy.num_heads == 9
-    assert ckpt.proxy.kind == "self" and ckpt.proxy.statistics == ["sum", "max", "lookback"]  # docs/training.md
-    assert ckpt.mapper.config.num_statistics == 3
-    assert ckpt.metrics, "the checkpoint records its validation metrics"
+    assert ckpt.mapper.config.to_dict() == dict(
+        num_proxy_layers=30, num_proxy_heads=9, num_target_layers=30, num_target_heads=3, d_time=128, stem_hidden=64,
+        num_encoder_layers=2, num_encoder_heads=4, ffn_mult=2, d_head=16, crop_len=512, stride=512, dropout=0.0,
+        input_transform="log1p,log,log", direct_path=True, direct_context=4, num_statistics=3)
+    assert ckpt.proxy.to_dict() == dict(kind="self", model_id=None, num_layers=30, num_heads=9, layers=None,
+                                        statistics=["sum", "max", "lookback"])  # docs/training.md
+    assert ckpt.target.to_dict() == dict(model_id="smollm2-135m-instruct", model_type="llama", num_layers=30,
+                                         num_kv_heads=3, num_heads=9)
+    assert ckpt.layer_mappers == [int(5 <= layer <= 9) for layer in range(30)]
+    assert ckpt.training["texts"] == 105 and ckpt.training["crops"] == 200  # docs/training.md
+    assert {k: v for k, v in ckpt.metrics.items() if "@" in k or k == "loss"} == {
+        "loss": 9.017765235900878, "topk_recall@0.1": 0.5750948418511285, "topk_recall@0.3": 0.6950081464979384,
+        "topk_recall@0.5": 0.7796766493055556, "mass_recovery@0.1": 0.6259424336751302,
+        "mass_recovery@0.3": 0.8036318630642361, "mass_recovery@0.5": 0.8973534478081597}
+    x = torch.rand(1, 30, 27, 64, generator=torch.Generator().manual_seed(2)) * 3  # (B, L_s, 3 * H_s, N)
+    with torch.no_grad():
+        logits = ckpt.map_features(x)  # (B, L_l, H_l, N), float32
+    kept = logits.topk(20, dim=-1).indices.sort(-1).values.tolist()  # the top 30% of each (layer, KV head)
+    assert hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16] == "f78964e965dd758b"
+    assert logits.double().sum().item() == pytest.approx(-19878.239625692368, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_configs_hold_current_fields_only(name):
+    """No removed option (``pool_kernel``, ``layer_mix``, the mapper's old switches, the listwise loss term) and no
+    record beyond what ``train`` writes: every field loads into today's dataclasses."""
+    from proxykv_hf.train.config import TrainConfig
+
+    config = json.loads((BUNDLED_DIR / name / CONFIG_NAME).read_text())
+    assert set(config) == CONFIG_KEYS
+    assert set(config["mapper"]) == {f.name for f in dataclasses.fields(MapperConfig)}
+    assert TRAINING_KEYS <= set(config["training"]) <= TRAINING_KEYS | {"splits"}  # the SmolLM2 data's split
+    TrainConfig.from_dict(config["training"]["train_config"])  # an unknown field raises, in its loss too
+    assert not {"loss_list"} & set(config["metrics"])
+    load_checkpoint(name)
 
 
 @pytest.mark.smollm
@@ -30,7 +76,7 @@ def test_shipped_checkpoint_runs_on_smollm2(smollm):
     cache = ProxyKVCache.from_pretrained(BUNDLED_MAPPER, keep_ratio=0.3)
     cache.scorer.checkpoint.check_target(model.config)
     inputs = tok(["The code word is azure. " * 20], return_tensors="pt")
-    model.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    model.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False)
     n = inputs["input_ids"].shape[1]
     assert cache.physical_lengths()[0] == -(-3 * n // 10) + 1
 
@@ -105,8 +151,7 @@ def test_a_proxy_handed_to_the_self_mapper_is_refused():
 def test_shipped_qwen_mappers_run_in_generate_offline(monkeypatch):
     """By the bundled name, offline: the pair mapper loads the 0.5B proxy by itself (or takes one already loaded), the
     self mapper runs no second model; each compresses the 1.5B's prompt in ``generate``."""
-    from proxykv_hf.compat import with_cache
-    from proxykv_hf.models import load_model, load_model_and_tokenizer
+    from proxykv_hf.models.loading import load_model, load_model_and_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, tok = load_model_and_tokenizer("qwen2.5-coder-1.5b-instruct")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.compat import with_cache
-from proxykv_hf.hub import BUNDLED_MAPPER
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.hub import BUNDLED_MAPPER
 
 PROMPT = ("The harbour town woke slowly. Fishing boats came in with the tide, and the baker on Quay Street "
           "opened at six as always. Somewhere in the middle of the morning, the postmistress wrote in her diary: "

@@ -7,12 +7,13 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import BackgroundScorer, ProxyKVCache, RandomScorer, SnapKVScorer, StreamingLLMScorer
-from proxykv_hf.cache import DEFAULT_KEEP_RATIO, ProxyKVLayer
+from proxykv_hf.cache.proxykv_cache import DEFAULT_KEEP_RATIO, ProxyKVLayer
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.testing import FAMILIES, random_prompt, tiny_model
 
 
 def greedy(model, inputs, cache, n=6, **kw):
-    return model.generate(**inputs, past_key_values=cache, max_new_tokens=n, do_sample=False,
+    return model.generate(**inputs, **with_cache(cache), max_new_tokens=n, do_sample=False,
                           output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
 
 
@@ -61,7 +62,7 @@ def test_first_token_is_exact_and_decode_matches_kept_subset():
     # Reference: full prefill K/V, gathered at the kept positions, in a plain DynamicCache.
     ref_cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(**inputs, past_key_values=ref_cache)
+        model(**inputs, **with_cache(ref_cache))
     manual = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
         idx = layer.kept_positions[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
@@ -72,7 +73,7 @@ def test_first_token_is_exact_and_decode_matches_kept_subset():
     for s in range(1, n_new):
         tok = seq[:, N + s - 1: N + s]
         with torch.no_grad():
-            logits = model(input_ids=tok, past_key_values=manual,
+            logits = model(input_ids=tok, **with_cache(manual),
                            position_ids=torch.tensor([[N + s - 1]])).logits[:, -1]
         torch.testing.assert_close(logits, out.logits[s], rtol=1e-5, atol=1e-5)
 
@@ -84,7 +85,7 @@ def test_decode_attention_by_hand_over_kept_subset():
     inputs = random_prompt(1, N, seed=4)
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
     with torch.no_grad():
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **with_cache(cache))
     attn = model.model.layers[1].self_attn
     captured = {}
 
@@ -97,7 +98,7 @@ def test_decode_attention_by_hand_over_kept_subset():
     values_before = cache.layers[1].values.clone()
     handle = attn.register_forward_hook(hook, with_kwargs=True)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[7]]), past_key_values=cache, position_ids=torch.tensor([[N]]))
+        model(input_ids=torch.tensor([[7]]), **with_cache(cache), position_ids=torch.tensor([[N]]))
     handle.remove()
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -140,36 +141,27 @@ def test_generation_modes_run_and_keep_size():
     # sampling with several sequences per prompt
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
     torch.manual_seed(0)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=5, do_sample=True,
+    out = model.generate(**inputs, **with_cache(cache), max_new_tokens=5, do_sample=True,
                          num_return_sequences=2, pad_token_id=0)
     assert out.shape == (4, 41)
     assert cache.layers[0].keys.shape[:3] == (4, 2, K + 4)
     # beam search
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=5, num_beams=3, do_sample=False,
+    out = model.generate(**inputs, **with_cache(cache), max_new_tokens=5, num_beams=3, do_sample=False,
                          pad_token_id=0)
     assert out.shape[0] == 2
     assert cache.layers[0].keys.shape[-2] <= K + 4
-
-
-def test_beam_search_keep_ratio_one_matches_dynamic_cache():
-    model = tiny_model("qwen3")
-    inputs = random_prompt(2, 30, lengths=[30, 22], seed=7)
-    kw = dict(max_new_tokens=5, num_beams=3, do_sample=False, pad_token_id=0)
-    ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
-    out = model.generate(**inputs, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=1.0), **kw)
-    assert torch.equal(ref, out)
 
 
 def test_second_generate_continues_on_the_compressed_cache():
     model = tiny_model("llama")
     inputs = random_prompt(1, 40, seed=8)
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
-    first = model.generate(**inputs, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    first = model.generate(**inputs, **with_cache(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
     K = math.ceil(0.3 * 40)
     question = torch.randint(4, 200, (1, 6), generator=torch.Generator().manual_seed(0))
     ids = torch.cat([first, question], 1)
-    second = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    second = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
                             max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert torch.equal(second[:, :ids.shape[1]], ids)
     logical = ids.shape[1] + 3
@@ -181,12 +173,12 @@ def test_second_generate_continues_on_the_compressed_cache():
 def test_unrelated_prompt_on_a_used_cache_is_an_error():
     model = tiny_model("llama")
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
-    model.generate(**random_prompt(1, 30, seed=9), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    model.generate(**random_prompt(1, 30, seed=9), **with_cache(cache), max_new_tokens=2, pad_token_id=0)
     other = random_prompt(1, 40, seed=10)
     with pytest.raises(ValueError, match="does not continue the conversation"):
-        model.generate(**other, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+        model.generate(**other, **with_cache(cache), max_new_tokens=2, pad_token_id=0)
     cache.reset()
-    model.generate(**other, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    model.generate(**other, **with_cache(cache), max_new_tokens=2, pad_token_id=0)
     assert cache.layers[0].keys.shape[-2] == math.ceil(0.3 * 40) + 1
 
 
@@ -216,7 +208,7 @@ def test_streaming_keeps_sinks_and_recent():
     N = 40
     cache = ProxyKVCache(StreamingLLMScorer(n_sink=4), keep_ratio=0.25)
     with torch.no_grad():
-        model(**random_prompt(1, N, seed=13), past_key_values=cache)
+        model(**random_prompt(1, N, seed=13), **with_cache(cache))
     kept = cache.layers[0].kept_positions[0, 0].tolist()
     assert kept == [0, 1, 2, 3] + list(range(N - 6, N))
 
@@ -226,14 +218,14 @@ def test_short_prompt_keeps_everything():
     inputs = random_prompt(1, 6, seed=14)
     cache = ProxyKVCache(SnapKVScorer(window=8), keep_ratio=0.1)
     with torch.no_grad():
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **with_cache(cache))
     assert cache.layers[0].keys.shape[-2] == 6
 
 
 def test_crop_only_after_the_compressed_prompt():
     model = tiny_model("llama")
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.3)
-    model.generate(**random_prompt(1, 30, seed=15), past_key_values=cache, max_new_tokens=4, pad_token_id=0)
+    model.generate(**random_prompt(1, 30, seed=15), **with_cache(cache), max_new_tokens=4, pad_token_id=0)
     cache.crop(-2)
     assert cache.get_seq_length() == 31
     with pytest.raises(ValueError, match="compressed prompt"):
@@ -266,7 +258,7 @@ def test_all_padding_row_is_an_error():
     inputs["attention_mask"][1] = 0
     with pytest.raises(ValueError, match="all padding"):
         with torch.no_grad():
-            model(**inputs, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=0.5))
+            model(**inputs, **with_cache(ProxyKVCache(SnapKVScorer(), keep_ratio=0.5)))
 
 
 def test_right_padding_is_an_error():
@@ -275,7 +267,7 @@ def test_right_padding_is_an_error():
     inputs["attention_mask"][1, -3:] = 0
     with pytest.raises(ValueError, match="left padding"):
         with torch.no_grad():
-            model(**inputs, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=0.5))
+            model(**inputs, **with_cache(ProxyKVCache(SnapKVScorer(), keep_ratio=0.5)))
 
 
 def test_unsupported_family_and_attention():
@@ -297,10 +289,10 @@ def test_inputs_embeds_without_prepare_is_a_clear_error():
     embeds = model.get_input_embeddings()(ids)
     with pytest.raises(ValueError, match="prepare"):
         with torch.no_grad():
-            model(inputs_embeds=embeds, past_key_values=ProxyKVCache(SnapKVScorer(), keep_ratio=0.5))
+            model(inputs_embeds=embeds, **with_cache(ProxyKVCache(SnapKVScorer(), keep_ratio=0.5)))
     cache = ProxyKVCache(SnapKVScorer(window=2), keep_ratio=0.5).prepare(model, inputs_embeds_shape=(1, 10))
     with torch.no_grad():
-        model(inputs_embeds=embeds, past_key_values=cache)
+        model(inputs_embeds=embeds, **with_cache(cache))
     assert cache.layers[0].keys.shape[-2] == 5
 
 
@@ -324,7 +316,7 @@ def test_compacted_copy_equals_a_live_cache(family, budget):
 
     rec = RecordingCache(SnapKVScorer(window=4))
     with torch.no_grad():
-        model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), past_key_values=rec)
+        model(**inputs, position_ids=(inputs["attention_mask"].cumsum(-1) - 1).clamp_min(0), **with_cache(rec))
     assert rec.physical_lengths()[rec.compactable_layers()[0]] == 40  # nothing dropped
     for rho in (0.2, 0.5):
         live = greedy(model, inputs, ProxyKVCache(SnapKVScorer(window=4), keep_ratio=rho, budget=budget), n=4)
@@ -335,7 +327,7 @@ def test_compacted_copy_equals_a_live_cache(family, budget):
         ids = live.sequences[:, :41]
         out = model.generate(input_ids=ids, attention_mask=torch.cat([inputs["attention_mask"],
                                                                       torch.ones(2, 1, dtype=torch.long)], 1),
-                             past_key_values=copy, max_new_tokens=3, do_sample=False, pad_token_id=0)
+                             **with_cache(copy), max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert torch.equal(out, live.sequences)
 
 
@@ -384,8 +376,8 @@ class _AttendingCache(DynamicCache):
         self.attended = []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        from proxykv_hf import attention
-        from proxykv_hf.scoring import causal_attention_with_statistics
+        from proxykv_hf.attention import wrapper as attention
+        from proxykv_hf.attention.statistics import causal_attention_with_statistics
 
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         cache = self
@@ -409,7 +401,7 @@ class _AttendingCache(DynamicCache):
 def test_a_pending_call_may_compute_plain_causal_attention(family):
     """The wrapper hands an unpadded causal prefill to a pending call's ``attend`` (and uses its output in sdpa's
     layout); masked layers (padding, Gemma3's sliding windows) and decode steps keep sdpa."""
-    from proxykv_hf.attention import use_proxykv_attention
+    from proxykv_hf.attention.wrapper import use_proxykv_attention
 
     model = tiny_model(family, num_hidden_layers=3 if family != "gemma3" else 6)
     use_proxykv_attention(model)
@@ -418,16 +410,16 @@ def test_a_pending_call_may_compute_plain_causal_attention(family):
     for lengths, expected in (([40, 40], full), ([40, 31], [])):
         inputs = random_prompt(2, 40, lengths=lengths, seed=0)
         kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+        ref = model.generate(**inputs, **with_cache(DynamicCache(config=model.config)), **kw)
         cache = _AttendingCache(model.config)
-        out = model.generate(**inputs, past_key_values=cache, **kw)
+        out = model.generate(**inputs, **with_cache(cache), **kw)
         assert cache.attended == expected
         assert torch.equal(ref.sequences, out.sequences)
         torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), rtol=1e-4, atol=1e-4)
 
 
 def test_plain_causal_declines_anything_special():
-    from proxykv_hf.attention import plain_causal
+    from proxykv_hf.attention.wrapper import plain_causal
 
     module = torch.nn.Module()
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
@@ -477,11 +469,11 @@ def test_appends_after_compaction_never_change_another_holders_view():
 def test_snapshot_restore():
     target = tiny_model("llama", num_hidden_layers=4)
     cache = ProxyKVCache(SnapKVScorer(window=4), keep_ratio=0.5)
-    first = target.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=3, pad_token_id=0)
+    first = target.generate(**random_prompt(1, 20), **with_cache(cache), max_new_tokens=3, pad_token_id=0)
     state = cache.snapshot()
     before = [layer.keys.clone() for layer in cache.layers], cache.get_seq_length()
     ids = torch.cat([first, torch.full((1, 8), 5)], 1)
-    target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3,
+    target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache), max_new_tokens=3,
                     pad_token_id=0)
     assert cache.get_seq_length() > before[1]
     cache.restore(state)

@@ -28,11 +28,9 @@ def test_eval_tiny(tmp_path, capsys):
     fid = [r for r in records if r["method"] == "kvzip"]
     assert all(r["topk_recall"] == pytest.approx(1.0) for r in fid)  # the oracle against itself
     assert (out / "results.md").exists() and (out / "accuracy.png").exists()
-    # resumable: a second run adds nothing (here with --out's old spelling, --out-dir)
-    with pytest.warns(FutureWarning, match="--out-dir is deprecated; use --out"):
-        main(["eval", "--tiny", "--methods", "full", "snapkv", "--keep-ratios", "0.3", "0.7", "--tasks",
-              "niah_single_1", "--context-lengths", "300", "--n-samples", "2", "--max-new-tokens", "4", "--out-dir",
-              str(out)])
+    # resumable: a second run adds nothing
+    main(["eval", "--tiny", "--methods", "full", "snapkv", "--keep-ratios", "0.3", "0.7", "--tasks", "niah_single_1",
+          "--context-lengths", "300", "--n-samples", "2", "--max-new-tokens", "4", "--out", str(out)])
     assert len((out / "results.jsonl").read_text().splitlines()) == len(records)
     assert "ProxyKV / KVzip" in capsys.readouterr().out
 
@@ -63,7 +61,7 @@ def test_demo_refuses_a_question_count_it_does_not_have(capsys):
 
 
 def test_demo_summary_counts_only_what_the_full_cache_answers():
-    from proxykv_hf.demo import Question, _print_tables
+    from proxykv_hf.cli.demo import Question, _print_tables
 
     questions = [Question("a?", ["1"]), Question("b?", ["2"]), Question("c?", ["3"])]
     results = {"full": {"answers": ["1", "x", "3"], "correct": [True, False, True], "ttft_s": 1.0, "kv_bytes": 2**20,
@@ -76,7 +74,7 @@ def test_demo_summary_counts_only_what_the_full_cache_answers():
 
 
 def test_demo_document_answers_are_in_the_file():
-    from proxykv_hf.demo import demo_document
+    from proxykv_hf.cli.demo import demo_document
 
     context, questions = demo_document()
     assert len(questions) == 5
@@ -87,8 +85,8 @@ def test_demo_document_answers_are_in_the_file():
 def test_bundled_mapper_follows_the_model(tmp_path):
     from argparse import Namespace
 
-    from proxykv_hf.cli_helpers import mapper_for
-    from proxykv_hf.hub import BUNDLED_DIR
+    from proxykv_hf.cli.helpers import mapper_for
+    from proxykv_hf.mapper.hub import BUNDLED_DIR
 
     assert mapper_for(Namespace(model="smollm2-135m-instruct", mapper=None), None) == str(
         BUNDLED_DIR / "proxykv-smollm2-135m-instruct")
@@ -233,9 +231,9 @@ def test_fresh_memory_child_failure_is_reported(monkeypatch):
 def test_bench_self_proxy_breakdown(tmp_path, capsys, statistics):
     """A self-proxy mapper scores inside the target's prefill: its breakdown says so (no overlap to claim), and
     times the features the mapper reads (the shipped mapper reads sums and maxima)."""
-    from proxykv_hf.hub import Checkpoint, save_checkpoint
-    from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-    from proxykv_hf.proxy import ProxySpec
+    from proxykv_hf.mapper.hub import Checkpoint, save_checkpoint
+    from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+    from proxykv_hf.mapper.proxy import ProxySpec
     from proxykv_hf.testing import tiny_model
     from proxykv_hf.train.data import target_spec_of
 
@@ -279,15 +277,15 @@ def test_build_data_and_train_tiny(tmp_path, capsys):
         with pytest.raises(SystemExit, match="--mapper-config"):
             main(["train", "--data", str(data), "--out", str(tmp_path / "x"), "--preset", "tiny",
                   "--mapper-config", *bad])
-    main(["train", "--data", str(data), "--out", str(tmp_path / "list"), "--preset", "tiny", "--max-steps", "1",
-          "--no-progress", "--loss", "lambda_list=2", "list_ratio=0.2", "--mapper-config", "direct_path=true"])
-    saved = json.loads((tmp_path / "list" / "proxykv_config.json").read_text())
-    assert saved["training"]["train_config"]["loss"]["lambda_list"] == 2.0
-    assert saved["training"]["train_config"]["loss"]["list_ratio"] == 0.2
+    main(["train", "--data", str(data), "--out", str(tmp_path / "loss"), "--preset", "tiny", "--max-steps", "1",
+          "--no-progress", "--loss", "lambda_cos=2", "rank_ratio=0.3", "--mapper-config", "direct_path=true"])
+    saved = json.loads((tmp_path / "loss" / "proxykv_config.json").read_text())
+    assert saved["training"]["train_config"]["loss"]["lambda_cos"] == 2.0
+    assert saved["training"]["train_config"]["loss"]["rank_ratio"] == 0.3
     assert saved["mapper"]["direct_path"] is True
-    with pytest.raises(SystemExit, match="--loss"):
-        main(["train", "--data", str(data), "--out", str(tmp_path / "y"), "--preset", "tiny",
-              "--loss", "lambda_listy=2"])
+    for bad in (["lambda_list=2"], ["lambda_cos=high"]):  # the removed listwise term; not a number
+        with pytest.raises(SystemExit, match="--loss"):
+            main(["train", "--data", str(data), "--out", str(tmp_path / "y"), "--preset", "tiny", "--loss", *bad])
 
 
 
@@ -442,6 +440,7 @@ def test_install_models_prints_pinned_requirements(capsys):
     ["refit-direct", "--help"], ["combine-mappers", "a", "b", "--weight", "0.5", "--out", "c"],
     ["generate", "--tiny", "--prompt", "x", "--pool-kernel", "3"],
     ["generate", "--tiny", "--prompt", "x", "--layer-mix", "1"], ["eval", "--tiny", "--global-norm", "layer"],
+    ["eval", "--tiny", "--out-dir", "x"],
     ["build-data", "--tiny", "--tasks", "vt", "--mapper", ".", "--out", "x"],
     ["build-data", "--tiny", "--tasks", "vt", "--plugin", "os", "--out", "x"],
     ["train", "--data", "d", "--out", "o", "--direct-path-lr-mult", "50"],
@@ -481,7 +480,8 @@ def test_eval_proxy_model_is_iams_proxy(tmp_path, monkeypatch):
 
 
 def test_demo_converts_the_target_and_the_proxy_its_mapper_reads_side_by_side(monkeypatch):
-    from proxykv_hf import demo, model_cache
+    from proxykv_hf.cli import demo
+    from proxykv_hf.models import model_cache
 
     asked = []
     monkeypatch.setattr(model_cache, "convert_packaged", lambda names: asked.append(list(names)))

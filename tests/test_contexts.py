@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from proxykv_hf import KVzipScorer, ProxyKVCache, ProxyKVPipeline, SnapKVScorer
 from proxykv_hf.cli import main
-from proxykv_hf.compat import with_cache
-from proxykv_hf.contexts import FORMAT_VERSION, HEADER_NAME, TENSORS_NAME, read_context, write_directory
-from proxykv_hf.pipeline import compress_context
-from proxykv_hf.selection import BUDGETS
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.contexts.format import FORMAT_VERSION, HEADER_NAME, TENSORS_NAME, read_context, write_directory
+from proxykv_hf.contexts.pipeline import compress_context
+from proxykv_hf.cache.selection import BUDGETS
 from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -241,7 +241,7 @@ def test_what_cannot_be_saved(world, tmp_path):
 
 def test_writes_are_whole_or_nothing(world, copy, monkeypatch):
     """A writer that fails half-way leaves no directory, no temporary one, and an older context as it was."""
-    import proxykv_hf.contexts as contexts
+    import proxykv_hf.contexts.format as contexts
 
     model, tok, scorers = world
     before = (copy / TENSORS_NAME).read_bytes()
@@ -366,7 +366,7 @@ def test_dot_tilde_and_long_names_are_saved_where_they_say(world, tmp_path, monk
 
 
 def test_a_load_overlapping_a_resave_gets_the_old_or_the_new_context(world, tmp_path, monkeypatch):
-    import proxykv_hf.contexts as contexts
+    import proxykv_hf.contexts.format as contexts
 
     model, tok, scorers = world
     old, new = (compress_context(model, ProxyKVCache(scorers["snapkv"], 0.3),
@@ -399,7 +399,7 @@ _CONTENT = st.binary(max_size=20) | _JSON.map(lambda v: json.dumps(v).encode()) 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_no_save_or_store_operation_changes_a_tree_that_is_not_a_saved_context(world, tmp_path_factory, tree):
     from proxykv_hf import ContextStore
-    from proxykv_hf.context_files import is_saved_context
+    from proxykv_hf.contexts.directory import is_saved_context
 
     model, tok, scorers = world
     root = tmp_path_factory.mktemp("tree")
@@ -439,7 +439,7 @@ def _tuned_copy(model, *, layers: bool = True):
 
 def test_a_fine_tune_with_the_same_embeddings_is_refused(tmp_path):
     from proxykv_hf import ContextStore
-    from proxykv_hf.fingerprints import weights_probe
+    from proxykv_hf.models.fingerprints import weights_probe
 
     base, tok = tiny_model("llama"), tiny_tokenizer()
     tuned = _tuned_copy(base)
@@ -478,7 +478,7 @@ def test_ask_refuses_a_context_of_another_model():
 
 def _edit_header(path: Path, edit) -> None:
     """Change the header at ``path`` and write it back with its checksum made good again (a consistent edit)."""
-    from proxykv_hf.context_header import CHECKSUM, header_checksum
+    from proxykv_hf.contexts.header import CHECKSUM, header_checksum
 
     header = json.loads((path / HEADER_NAME).read_text())
     edit(header)
@@ -521,7 +521,7 @@ def test_a_damaged_or_inconsistent_header_is_refused(tmp_path):
 
 
 def test_a_failed_save_into_an_empty_directory_leaves_it_empty(world, tmp_path, monkeypatch):
-    import proxykv_hf.context_files as context_files
+    import proxykv_hf.contexts.directory as context_files
 
     model, tok, scorers = world
     cache = compressed(model, scorers["snapkv"])

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxykv_hf import ProxyKVCache, RandomScorer, SnapKVScorer
-from proxykv_hf.compat import with_cache
-from proxykv_hf.conversation import Conversation
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.cache.conversation import Conversation
 from proxykv_hf.testing import random_prompt, tiny_model
 
 GEN = dict(do_sample=False, pad_token_id=0)

@@ -14,12 +14,12 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import ProxyKVCache, ProxyKVPipeline, ProxyScorer, SnapKVScorer
-from proxykv_hf.cache import DEFAULT_KEEP_RATIO
-from proxykv_hf.compat import with_cache
-from proxykv_hf.hub import Checkpoint, TargetSpec
-from proxykv_hf.layer import ProxyKVLayer
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.proxy import ProxySpec
+from proxykv_hf.cache.proxykv_cache import DEFAULT_KEEP_RATIO
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.hub import Checkpoint, TargetSpec
+from proxykv_hf.cache.layer import ProxyKVLayer
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper.proxy import ProxySpec
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
 GEN = dict(do_sample=False, pad_token_id=0)
@@ -173,7 +173,7 @@ def test_one_default_keep_ratio_and_a_warning_when_nothing_is_pruned(model, capl
     with caplog.at_level(logging.WARNING, logger="proxykv_hf"):
         cache = ProxyKVCache(SnapKVScorer(window=64), keep_ratio=0.3)
         model.generate(**random_prompt(1, 50, seed=1), **with_cache(cache), max_new_tokens=1, **GEN)
-    assert [r.levelno for r in caplog.records if r.name == "proxykv_hf.cache"] == [logging.WARNING]
+    assert [r.levelno for r in caplog.records if r.name == "proxykv_hf.cache.proxykv_cache"] == [logging.WARNING]
     assert len(cache.kept_sets()[0][0][0]) == 50
 
 

@@ -51,7 +51,6 @@ def test_generate_prunes_to_the_keep_ratio(tiny):
 
     def kept_mib(keep_ratio: str) -> float:
         out = run("generate.py", *common, "--keep-ratio", keep_ratio)
-        assert "answer:" in out
         return float(out.split("the cache holds ")[1].split(" MiB")[0])
 
     assert kept_mib("0.3") < 0.5 * kept_mib("1.0")

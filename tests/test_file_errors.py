@@ -47,8 +47,9 @@ def _full_disk(*args, **kwargs):
 @pytest.mark.parametrize("command", ["eval", "bench", "build-data", "train", "merge-data"])
 def test_a_read_only_out_is_refused_before_any_work(command, tmp_path, data, capsys, monkeypatch):
     import proxykv_hf.bench.cli as bench_cli
-    import proxykv_hf.cli as cli
-    import proxykv_hf.out_dirs as out_dirs
+    import proxykv_hf.cli.out_dirs as out_dirs
+
+    import proxykv_hf.cli.commands as cli
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -69,7 +70,7 @@ def test_a_read_only_out_is_refused_before_any_work(command, tmp_path, data, cap
 
 
 def test_environment_errors_are_one_line_and_bugs_keep_their_traceback(monkeypatch, capsys):
-    import proxykv_hf.cli as cli
+    import proxykv_hf.cli.commands as cli
 
     def raising(error):
         def cmd(ns):
@@ -90,7 +91,7 @@ def test_environment_errors_are_one_line_and_bugs_keep_their_traceback(monkeypat
 
 
 def test_compress_on_a_full_disk_names_the_file_and_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import proxykv_hf.contexts as contexts
+    import proxykv_hf.contexts.format as contexts
 
     monkeypatch.setattr(contexts, "save_file", _full_disk)
     line = _one_line(["compress", "--tiny", "--method", "snapkv", "--prompt", "the code is 12. " * 30, "--out",
@@ -112,7 +113,7 @@ def test_merge_on_a_full_disk_leaves_nothing(tmp_path, data, capsys, monkeypatch
 
 
 def test_train_on_a_full_disk_names_the_file(tmp_path, data, capsys, monkeypatch):
-    import proxykv_hf.checkpoint as checkpoint
+    import proxykv_hf.mapper.checkpoint as checkpoint
 
     monkeypatch.setattr(checkpoint, "save_file", _full_disk)
     line = _one_line(["train", "--data", str(data[0]), "--out", str(tmp_path / "run"), "--preset", "tiny",

@@ -1,14 +1,15 @@
-"""The FLOP counts of proxykv_hf.flops against torch's own FlopCounterMode and transformers' own masks."""
+"""The FLOP counts of proxykv_hf.bench.flop_model against torch's own FlopCounterMode and transformers' own masks."""
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from proxykv_hf.flops import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops,
-                                     kvzip_template_tokens, mapper_flops, prefill_flops, snapkv_flops)
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.proxy import decoder_of, layer_subset
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.bench.flop_model import (causal_pairs, decoder_flops, kvzip_flops, kvzip_prefill_flops,
+                                         kvzip_template_tokens, mapper_flops, prefill_flops, snapkv_flops)
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper.proxy import decoder_of, layer_subset
 from proxykv_hf.testing import FAMILIES, tiny_config, tiny_model
 
 # head_dim 24 is not hidden / heads (8), 3 KV heads for 6 query heads, an MLP 3x wide: a formula that mixes up any two
@@ -169,7 +170,7 @@ def test_kvzip_iam_flops_on_a_layer_subset_equal_torch_counter():
 
 def test_snapkv_flops_equal_torch_counter():
     """A SnapKV prefill through the cache: the target's prefill and the window's attention sums, every layer."""
-    from proxykv_hf.cache import ProxyKVCache
+    from proxykv_hf.cache.proxykv_cache import ProxyKVCache
     from proxykv_hf.scorers import SnapKVScorer
 
     model = tiny_model("llama", attn_implementation="eager", **SHAPE)
@@ -178,7 +179,7 @@ def test_snapkv_flops_equal_torch_counter():
 
     def prefill(m):
         cache = ProxyKVCache(SnapKVScorer(window=16), keep_ratio=0.5).prepare(m, ids)
-        m.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        m.model(input_ids=ids, **with_cache(cache), use_cache=True)
 
     counted = _counted(model, prefill)
     whole = decoder_flops(model.config, n, causal=False)

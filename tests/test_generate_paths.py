@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
-from proxykv_hf.compat import with_cache
+from proxykv_hf.cli.helpers import tiny_mapper_checkpoint
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model, tiny_tokenizer
 

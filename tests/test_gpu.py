@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from proxykv_hf import ProxyKVCache, ProxyScorer
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.eval.methods import RecordingCache
-from proxykv_hf.hub import Checkpoint, TargetSpec, save_checkpoint
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.proxy import ProxySpec
+from proxykv_hf.mapper.hub import Checkpoint, TargetSpec, save_checkpoint
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper.proxy import ProxySpec
 from proxykv_hf.testing import random_prompt, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +50,7 @@ def test_side_stream_matches_cpu(tmp_path, monkeypatch, proxy_device, padded, ov
                                                  proxy_device=proxy_device if device == "cuda" else None)
             cache = RecordingCache(scorer) if record_only else ProxyKVCache(scorer, 0.3)
             cache.scorer.mapper_autocast, cache.scorer.overlap = autocast, overlap
-            target.generate(**{k: v.to(device) for k, v in inputs.items()}, past_key_values=cache,
+            target.generate(**{k: v.to(device) for k, v in inputs.items()}, **with_cache(cache),
                             max_new_tokens=4, do_sample=False, pad_token_id=0)
             if record_only:
                 scores[device, autocast] = [cache.scores[i].float().cpu() for i in sorted(cache.scores)]
@@ -72,7 +73,7 @@ def test_train_bf16_autocast(tmp_path):
     import json
 
     from proxykv_hf.cli import main
-    from proxykv_hf.hub import load_checkpoint
+    from proxykv_hf.mapper.hub import load_checkpoint
     from proxykv_hf.train.evaluate import read_log
 
     data = tmp_path / "data"
@@ -119,7 +120,7 @@ def _kvzip_on(device: str, dtype: torch.dtype, lengths, dense: bool, monkeypatch
         model = tiny_model("llama", num_hidden_layers=3, dtype=dtype).to(device)
         inputs = random_prompt(2, 96, lengths=lengths, seed=5)
         return kvzip.kvzip_scores(model, **{k: v.to(device) for k, v in inputs.items()}, tokenizer=tiny_tokenizer(),
-                                  chunk_size=40).cpu()
+                                  context_chunk=40).cpu()
 
 
 @pytest.mark.parametrize("lengths", [None, [96, 70]])
@@ -134,7 +135,7 @@ def test_kvzip_on_cuda_matches_cpu(monkeypatch, lengths):
     bias = _kvzip_on("cuda", torch.bfloat16, lengths, False, monkeypatch)
     mask = _kvzip_on("cuda", torch.bfloat16, lengths, True, monkeypatch)
     torch.testing.assert_close(bias, mask, atol=3e-2, rtol=0)
-    from proxykv_hf.selection import select_topk
+    from proxykv_hf.cache.selection import select_topk
 
     for a, b in zip(bias, mask):  # per layer: (B, H_kv, T); row 0 is unpadded in both cases
         assert _overlap(select_topk(a[:1], 0.3)[0], select_topk(b[:1], 0.3)[0]) > 0.9
@@ -151,7 +152,7 @@ def test_global_budget_on_cuda_matches_cpu(padded):
     for device in ("cpu", "cuda"):
         model = tiny_model("llama", num_hidden_layers=4).to(device)
         cache = ProxyKVCache(KVzipScorer(tiny_tokenizer(), context_chunk=32), keep_ratio=0.3, budget="global")
-        out = model.generate(**{k: v.to(device) for k, v in inputs.items()}, past_key_values=cache, max_new_tokens=6,
+        out = model.generate(**{k: v.to(device) for k, v in inputs.items()}, **with_cache(cache), max_new_tokens=6,
                              do_sample=False, pad_token_id=0)
         runs[device] = out.cpu(), cache.kept_sets(), cache.held_entries()
     (a, sets_a, n_a), (b, sets_b, n_b) = runs["cpu"], runs["cuda"]

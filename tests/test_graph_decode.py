@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from proxykv_hf import ProxyKVCache, SnapKVScorer
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.bench.graph import StaticDecoder
 from proxykv_hf.testing import FAMILIES, random_prompt, tiny_model
 
@@ -14,7 +15,7 @@ def _prefilled(model, ids, keep_ratio):
     cache = ProxyKVCache(None if keep_ratio == 1.0 else SnapKVScorer(window=4), keep_ratio=keep_ratio)
     cache.prepare(model, ids)
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1).logits
     return cache, logits[:, -1].argmax(-1, keepdim=True)
 
 
@@ -24,7 +25,7 @@ def test_static_decode_equals_generate(family, keep_ratio):
     model = tiny_model(family)
     ids = random_prompt(1, 48, seed=3)["input_ids"]
     ref_cache, first = _prefilled(model, ids, keep_ratio)
-    ref = model.generate(input_ids=torch.cat([ids, first], 1), past_key_values=ref_cache, max_new_tokens=9,
+    ref = model.generate(input_ids=torch.cat([ids, first], 1), **with_cache(ref_cache), max_new_tokens=9,
                          do_sample=False, pad_token_id=0)[:, ids.shape[1] + 1:]
     cache, first2 = _prefilled(model, ids, keep_ratio)
     assert torch.equal(first, first2)

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.eval.harness import EvalConfig, run_eval
-from proxykv_hf.eval.methods import (RecordingCache, SharedPrefill, compacted_batch, compacted_copy,
-                                     prefill_groups)
+from proxykv_hf.eval.methods import RecordingCache, SharedPrefill, compacted_batch, compacted_copy, prefill_groups
 from proxykv_hf.scorers.kvzip import KVzipScorer
 from proxykv_hf.scorers.random import RandomScorer
 from proxykv_hf.scorers.snapkv import SnapKVScorer
@@ -21,7 +21,7 @@ def _record(model, ids, scorer) -> RecordingCache:
     rec = RecordingCache(scorer)
     rec.prepare(model, ids)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=rec, use_cache=True)
+        model(input_ids=ids, **with_cache(rec), use_cache=True)
     return rec
 
 
@@ -65,13 +65,13 @@ def test_compacted_batch_rows_are_the_single_ratio_caches():
     question = torch.tensor([[5, 9, 11]])
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     out = model.generate(input_ids=torch.cat([ids, question], 1).expand(3, -1),
-                         attention_mask=torch.ones(3, 43, dtype=torch.long), past_key_values=batch, **kw)
+                         attention_mask=torch.ones(3, 43, dtype=torch.long), **with_cache(batch), **kw)
     for j, rho in enumerate(ratios):
         single = compacted_copy(rec, rho, scorer=rec.scorer.members["novelty"], scores=rec.scorer.scores["novelty"])
         for i, rows in single.kept_sets().items():
             assert all(torch.equal(a, b) for a, b in zip(rows[0], batch.kept_sets()[i][j]))
         alone = model.generate(input_ids=torch.cat([ids, question], 1), attention_mask=torch.ones(1, 43,
-                               dtype=torch.long), past_key_values=single, **kw)
+                               dtype=torch.long), **with_cache(single), **kw)
         assert torch.equal(out[j], alone[0])
     with pytest.raises(ValueError, match="one row"):
         compacted_batch(_record(model, ids.expand(2, -1), AttentionStatisticScorer("max")), [0.5])

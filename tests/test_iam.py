@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.proxy import layer_subset, proxy_features
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.proxy import layer_subset, proxy_features
 from proxykv_hf.scorers.iam import KVzipIAMScorer
 from proxykv_hf.scorers.kvzip import kvzip_scores
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
@@ -23,13 +24,13 @@ def test_default_alignment_and_scores(target):
     inputs = random_prompt(2, 40, lengths=[40, 30], seed=1)
     scorer = KVzipIAMScorer(tok, proxy=proxy, context_chunk=32)
     cache = ProxyKVCache(scorer, keep_ratio=0.3)
-    target.generate(**inputs, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    target.generate(**inputs, **with_cache(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert cache.scorer.layer_map == [0, 0, 0, 1, 1, 1]  # ceil(l * 2 / 6) - 1 (on the cache's own copy)
     assert cache.scorer.head_map == [[0, 0]] * 6  # two target KV heads read the proxy's single KV head
     assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 2] * 6
     # the kept set is the Top-K of the proxy's KVzip scores of the aligned layer
     y = kvzip_scores(proxy, inputs["input_ids"], inputs["attention_mask"], tokenizer=tok, context_chunk=32)
-    from proxykv_hf.selection import select_topk
+    from proxykv_hf.cache.selection import select_topk
 
     idx, _ = select_topk(y[1][:, [0, 0]], 0.3, inputs["attention_mask"].bool(), n_sink=4)
     assert torch.equal(idx, cache.layers[5].kept_positions)
@@ -71,7 +72,7 @@ def test_layer_subset_proxy_scores_on_a_model_not_yet_opted_in():
 
 def test_settings_name_the_proxy_and_stay_the_same_after_compressing(tmp_path):
     from proxykv_hf import ContextStore, ProxyKVPipeline
-    from proxykv_hf.pipeline import compress_context
+    from proxykv_hf.contexts.pipeline import compress_context
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     proxies = [tiny_model("llama", seed=s, num_hidden_layers=2) for s in (1, 2)]

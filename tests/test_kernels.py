@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from proxykv_hf import kernels, scoring
-from proxykv_hf.scoring import attention_sums, causal_attention_with_statistics
+from proxykv_hf.attention import kernels, statistics as scoring
+from proxykv_hf.attention.statistics import attention_sums, causal_attention_with_statistics
 
 CASES = [  # B, H, H_kv, Q, T, D
     (1, 4, 2, 70, 70, 32),

@@ -10,10 +10,11 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.cache import ProxyKVLayer
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.cache.proxykv_cache import ProxyKVLayer
 from proxykv_hf.scorers import kvzip as kvzip_module
 from proxykv_hf.scorers.kvzip import KVzipScorer, full_attention_layers, kvzip_scores
-from proxykv_hf.selection import select_topk
+from proxykv_hf.cache.selection import select_topk
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -200,16 +201,16 @@ def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
     N, rho = 40, 0.3
     inputs = random_prompt(1, N, seed=6)
     kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    full = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
+    full = model.generate(**inputs, **with_cache(DynamicCache(config=model.config)), **kw)
     cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=rho)
-    out = model.generate(**inputs, past_key_values=cache, **kw)
+    out = model.generate(**inputs, **with_cache(cache), **kw)
     # the first token comes from the full prefill, untouched by the nested repeat forwards
     torch.testing.assert_close(out.logits[0], full.logits[0], rtol=0, atol=0)
     t = out.sequences.shape[1] - N - 1
     K = math.ceil(rho * N)
     ref_cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(**inputs, past_key_values=ref_cache)
+        model(**inputs, **with_cache(ref_cache))
     scores = kvzip_scores(model, **inputs, tokenizer=tok, context_chunk=16)
     compacted = cache.compactable_layers()
     assert compacted == full_attention_layers(model)
@@ -232,7 +233,7 @@ def test_generate_padded_batch(tok):
     model = tiny_model("llama")
     batch = random_prompt(2, 36, lengths=[36, 25], seed=7)
     cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=0.3)
-    out = model.generate(**batch, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    out = model.generate(**batch, **with_cache(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 39)
     assert cache.layers[0].keys.shape[-2] == math.ceil(0.3 * 36) + 2
     scores = kvzip_scores(model, **batch, tokenizer=tok, context_chunk=16)
@@ -247,7 +248,7 @@ def test_tokenizer_from_model_path(tmp_path, tok, llama):
     inputs = random_prompt(1, 30, seed=8)
     cache = ProxyKVCache(KVzipScorer(context_chunk=16), keep_ratio=0.5)
     with torch.no_grad():
-        model(**inputs, past_key_values=cache)
+        model(**inputs, **with_cache(cache))
     assert cache.layers[0].keys.shape[-2] == 15
     torch.testing.assert_close(
         kvzip_scores(model, **inputs, context_chunk=16), kvzip_scores(llama, **inputs, tokenizer=tok, context_chunk=16))
@@ -264,31 +265,13 @@ def test_bad_arguments(tok, kwargs, match):
         KVzipScorer(tok, **kwargs)
 
 
-def test_chunk_size_is_the_old_spelling_of_context_chunk(tok):
-    from proxykv_hf.scorers import KVzipIAMScorer
-
-    with pytest.warns(FutureWarning, match=r"KVzipScorer\(chunk_size=\.\.\.\) is deprecated; use context_chunk"):
-        assert KVzipScorer(tok, chunk_size=16).context_chunk == 16
-    with pytest.warns(FutureWarning, match="use context_chunk"):
-        assert KVzipIAMScorer(tok, chunk_size=16).context_chunk == 16
-    assert "chunk_size" not in KVzipScorer(tok, context_chunk=16).settings()
-
-
-def test_pool_kernel_is_the_old_spelling_of_kernel_size():
-    from proxykv_hf.scorers import AttentionStatisticScorer
-
-    with pytest.warns(FutureWarning, match=r"AttentionStatisticScorer\(pool_kernel=\.\.\.\) is deprecated"):
-        assert AttentionStatisticScorer("max", pool_kernel=3).kernel_size == 3
-    assert AttentionStatisticScorer("max", kernel_size=5).settings()["kernel_size"] == 5
-
-
 def test_bad_inputs(tok, llama):
     with pytest.raises(ValueError, match="tokenizer"):
         KVzipScorer("not a tokenizer")
     inputs = random_prompt(1, 20, seed=9)
     with pytest.raises(ValueError, match="KVzipScorer\\(tokenizer\\)"):  # no tokenizer, no name_or_path
         with torch.no_grad():
-            llama(**inputs, past_key_values=ProxyKVCache(KVzipScorer(), keep_ratio=0.5))
+            llama(**inputs, **with_cache(ProxyKVCache(KVzipScorer(), keep_ratio=0.5)))
     with pytest.raises(ValueError, match="KVzipScorer\\(tokenizer\\)"):
         kvzip_scores(llama, **inputs)
     right = random_prompt(2, 20, seed=9)

@@ -1,37 +1,56 @@
-"""The product never imports the tooling (train/, eval/, bench/, cli, demo), the package's modules import each
-other without cycles (type-only imports included) and stay within :data:`MAX_LINES` lines, and importing the package
-does no work beyond registering the pipeline task."""
+"""The package's shape: at most twelve entries at its root, one concept each; the product never imports the tooling
+(``train/ eval/ bench/ cli/``); no import cycles (type-only imports included); no module over :data:`MAX_LINES`
+lines; stack frames read in one module only; docs/design.md's module table names every module; and importing the
+package does no work beyond registering the pipeline task."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 
 PKG = Path(__file__).resolve().parents[1] / "proxykv_hf"
-TOOLING = ("train", "eval", "bench", "cli", "cli_helpers", "out_dirs", "demo")
-PRODUCT = sorted(str(p.relative_to(PKG)) for p in [*PKG.glob("*.py"), *(PKG / "scorers").glob("*.py")]
-                 if p.stem not in TOOLING)
-"""Every module a user imports (the cache, scoring, scorers, mapper, proxy, hub, pipeline, compressed contexts,
-the store, models, ...): all of the package but the tooling built on it."""
+ROOT = {"__init__.py", "attention", "cache", "scorers", "mapper", "models", "contexts", "testing.py", "train", "eval",
+        "bench", "cli"}
+"""The root's entries, one concept each (README.md's module tree)."""
+TOOLING = ("train", "eval", "bench", "cli")
+PRODUCT = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.relative_to(PKG).parts[0] not in TOOLING)
+"""Every module a user imports (the cache, attention, scorers, mapper, models, compressed contexts, ...): all of the
+package but the tooling built on it."""
 MAX_LINES = 450  # past this a module is split by concept (STYLE.md: aim for 100-350)
 
 
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level > 0:
-            names.add((node.module or "").split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("proxykv_hf."):
-            names.add(node.module.split(".")[1])
-    return names
+def test_the_root_holds_twelve_entries_at_most():
+    entries = {p.name for p in PKG.iterdir() if p.name != "__pycache__"}
+    assert entries == ROOT, f"unexpected root entries {sorted(entries - ROOT)}, missing {sorted(ROOT - entries)}"
+    assert len(ROOT) <= 12
 
 
 def test_product_does_not_import_tooling():
-    assert {"cache.py", "pipeline.py", "compressed.py", "store.py", "contexts.py", "models.py"} <= set(PRODUCT)
+    assert {"cache/proxykv_cache.py", "contexts/pipeline.py", "contexts/store.py", "models/loading.py"} <= set(PRODUCT)
+    paths = list(PKG.rglob("*.py"))
+    known = {_module_name(p) for p in paths}
     for rel in PRODUCT:
-        bad = _imports(PKG / rel) & set(TOOLING)
+        bad = {name for name in _edges(PKG / rel, known) if name.split(".")[1] in TOOLING}
         assert not bad, f"{rel} imports {bad}"
+
+
+def test_frames_are_read_in_one_module():
+    """The cache learns generate's whole prompt from the calling frames in one place only (cache/prompt.py)."""
+    readers = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+               if re.search(r"_getframe|currentframe|\.f_back|\.f_locals|inspect\.stack", p.read_text())]
+    assert readers == ["cache/prompt.py"], readers
+
+
+def test_the_design_table_names_every_module():
+    """docs/design.md's "Where things live" names every module by its path (a folder's ``__init__.py`` aside), and
+    nothing that is gone."""
+    text = (PKG.parent / "docs" / "design.md").read_text()
+    table = text[text.index("## Where things live"):text.index("## Logical vs physical length")]
+    named = set(re.findall(r"^\| `([\w/]+\.py)` \|", table, flags=re.M))
+    modules = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if p.name != "__init__.py" or p.parent == PKG}
+    assert named == modules, f"not in the table: {sorted(modules - named)}, gone: {sorted(named - modules)}"
 
 
 def test_import_is_light():

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
 from proxykv_hf.train.losses import LossConfig, hybrid_loss, sample_pairs
 from proxykv_hf.train.metrics import mass_recovery, order_desc, topk_count, topk_mask, topk_recall
 
@@ -238,36 +238,3 @@ def test_topk_mask_invariants(values, keep_ratio, seed):
     if kept.any() and (mask & ~kept).any():
         assert scores[kept].min() >= scores[mask & ~kept].max()
 
-
-def test_list_term_matches_naive_kl_and_is_off_by_default():
-    logits, target, mask = batch(4)
-    assert LossConfig().lambda_list == 0 and hybrid_loss(logits, target, mask)[1]["list"].item() == 0
-    cfg = LossConfig(**ONLY["bin"] | dict(lambda_bin=0.0), lambda_list=1.0, list_ratio=0.3)
-    total, terms = hybrid_loss(logits, target, mask, cfg)
-    values = []
-    for x, y in rows(logits, target, mask):  # real tokens of one row
-        k = math.ceil(0.3 * len(y) - 1e-9)
-        top = sorted(range(len(y)), key=lambda i: (-y[i], i))[:k]
-        mass = sum(y[i] for i in top)
-        if mass <= 0:
-            continue
-        log_z = math.log(sum(math.exp(v) for v in x))
-        values.append(sum(y[i] / mass * (math.log(y[i] / mass) - (x[i] - log_z)) for i in top if y[i] > 0))
-    expected = sum(values) / len(values)
-    assert terms["list"].item() == pytest.approx(expected, rel=1e-5)
-    assert total.item() == pytest.approx(expected, rel=1e-5)
-
-
-def test_list_term_prefers_the_oracle_top_tokens():
-    y = torch.tensor([[0.0, 0.1, 1.0, 0.2, 0.0, 0.05]])
-    cfg = LossConfig(lambda_bin=0.0, lambda_mse=0.0, lambda_fine=0.0, lambda_global=0.0, lambda_cos=0.0,
-                     lambda_list=1.0, list_ratio=0.2)
-    spike = torch.tensor([[0.0, 0.0, 5.0, 0.0, 0.0, 0.0]])
-    flat = torch.zeros(1, 6, requires_grad=True)
-    assert hybrid_loss(spike, y, config=cfg)[0] < hybrid_loss(flat, y, config=cfg)[0]
-    hybrid_loss(flat, y, config=cfg)[0].backward()
-    assert int(flat.grad.argmin()) == 2  # descent raises the oracle's top token
-    with pytest.raises(ValueError, match="list_ratio"):
-        LossConfig(list_ratio=0.0)
-    with pytest.raises(ValueError, match="lambda_list"):
-        LossConfig(lambda_list=-1.0)

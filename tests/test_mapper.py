@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.mapper import (HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, sinusoidal_encoding,
-                               window_starts)
+from proxykv_hf.mapper.model import (HybridAxialMapper, MapperConfig, TimeEncoder, mask_padding, sinusoidal_encoding,
+                                     window_starts)
 
 LLAMA_1B_TO_8B = dict(num_proxy_layers=16, num_proxy_heads=32, num_target_layers=32, num_target_heads=8)
 
@@ -199,7 +199,7 @@ def test_bfloat16_window_attention_equals_sdpa(monkeypatch, rows):
     """On a CPU under bfloat16 autocast the unpadded windows' attention runs as batched matmuls a few (window, head)
     pairs at a time (the pairs here not a multiple of the batch), and gives what float32 attention gives within
     bfloat16 rounding; padded windows keep sdpa with its mask."""
-    from proxykv_hf import mapper as mapper_module
+    from proxykv_hf.mapper import model as mapper_module
 
     monkeypatch.setattr(mapper_module, "WINDOW_ATTENTION_ROWS", rows)
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def test_input_transform_log1p_clamps_negative():
 
 
 def test_input_transform_per_statistic():
-    from proxykv_hf.mapper import LOG_FLOOR, transform_features
+    from proxykv_hf.mapper.model import LOG_FLOOR, transform_features
 
     x = torch.rand(2, 3, 2 * 4, 16)  # (B, L, S * H, N): sums then maxima of 4 heads
     got = transform_features(x, "log1p,log")
@@ -273,22 +273,6 @@ def test_presets_and_json_roundtrip():
     assert small.d_time == 128 and small.num_encoder_layers == 2
     with pytest.raises(ValueError, match="bogus"):
         MapperConfig.from_dict({**MapperConfig.tiny().to_dict(), "bogus": 1})
-
-
-def test_removed_switches_load_at_their_neutral_values_only():
-    """Configs written while the ablation switches existed load when they hold what every shipped mapper has
-    (conv stem, transformer encoder, head stage, no layer embedding); any other value is refused, naming the
-    field."""
-    cfg = MapperConfig.tiny()
-    old = {**cfg.to_dict(), "conv_stem": True, "time_encoder": "transformer", "head_stage": True,
-           "layer_embedding": False}
-    assert MapperConfig.from_dict(old) == cfg
-    for name, value in (("conv_stem", False), ("time_encoder", "meanpool"), ("time_encoder", "none"),
-                        ("head_stage", False), ("layer_embedding", True), ("conv_stem", 1)):
-        with pytest.raises(ValueError, match=f"'{name}' was removed.*got {re.escape(repr(value))}"):
-            MapperConfig.from_dict({**old, name: value})
-    with pytest.raises(TypeError):  # no longer a field
-        MapperConfig.tiny(conv_stem=True)
 
 
 @pytest.mark.parametrize("bad", [

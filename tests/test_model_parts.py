@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxykv_hf import model_cache, model_parts, models
+from proxykv_hf.models import model_cache, parts as model_parts, loading as models
 from proxykv_hf.cli import main
-from proxykv_hf.model_parts import PackagedModel
+from proxykv_hf.models.parts import PackagedModel
 from proxykv_hf.testing import pair_installed
 
 PART_BYTES = [b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)) * 3, b"tail-bytes"]

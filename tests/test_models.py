@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from proxykv_hf import model_cache, models
-from proxykv_hf.models import (CACHE_ENV, DEFAULT_MODEL, bundled_model_dir, load_model, load_model_and_tokenizer,
-                               load_tokenizer, model_summary)
+from proxykv_hf.models import model_cache, loading as models
+from proxykv_hf.models.loading import (CACHE_ENV, DEFAULT_MODEL, bundled_model_dir, load_model,
+                                       load_model_and_tokenizer, load_tokenizer, model_summary)
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Every ``--out`` (train, eval, bench, build-data, merge-data, compress) is new or empty, or holds only what the same
 command wrote there before (recognised by its marker or manifest): anything else is refused in one line, before any
-work, and no file the command did not write is ever changed or removed (:mod:`proxykv_hf.out_dirs`)."""
+work, and no file the command did not write is ever changed or removed (:mod:`proxykv_hf.cli.out_dirs`)."""
 
 import json
 import os
@@ -95,7 +95,7 @@ def test_eval_leaves_a_model_directory_alone(tmp_path, data, capsys):
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_foreign_out_is_refused_before_any_work(command, tmp_path, data, capsys, monkeypatch):
-    import proxykv_hf.cli as cli
+    import proxykv_hf.cli.commands as cli
 
     monkeypatch.setattr(cli, "load", lambda ns: pytest.fail("loaded a model before checking --out"))
     out = tmp_path / "out"
@@ -109,7 +109,7 @@ def test_a_foreign_out_is_refused_before_any_work(command, tmp_path, data, capsy
 
 
 def test_each_command_recognises_its_own_output(tmp_path, data):
-    from proxykv_hf.out_dirs import OUTPUTS, check_out
+    from proxykv_hf.cli.out_dirs import OUTPUTS, check_out
 
     a, _ = data
     check_out("build-data", a)  # a dataset: build-data resumes it
@@ -131,11 +131,13 @@ def test_each_command_recognises_its_own_output(tmp_path, data):
 
 
 def test_out_help_states_the_rule(capsys):
+    from proxykv_hf.cli.out_dirs import OUTPUTS, out_help
+
     for command in COMMANDS:
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert "new or empty" in text and "--out" in text, command
+        assert (out_help(command) if command in OUTPUTS else "new or empty") in text, command  # compress: a context
 
 
 # ------------------------------------------------------------------------------------------------ property

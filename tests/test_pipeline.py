@@ -8,7 +8,7 @@ from transformers import pipeline
 import proxykv_hf  # noqa: F401  (registers the pipeline task)
 from proxykv_hf import ProxyKVPipeline, SnapKVScorer
 from proxykv_hf.eval.prompts import encode_chat_prompt
-from proxykv_hf.hub import save_checkpoint
+from proxykv_hf.mapper.hub import save_checkpoint
 from proxykv_hf.testing import tiny_checkpoint, tiny_model, tiny_tokenizer
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from proxykv_hf import ProxyKVCache
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.cli import main
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.testing import random_prompt, tiny_model
@@ -28,14 +29,14 @@ def test_plugin_through_generate_eval_and_bench(tmp_path, toy, capsys):
     model = tiny_model("llama")
     inputs = random_prompt(2, 40, lengths=[40, 27], seed=1)
     cache = ProxyKVCache(registry.build("toy_keynorm", ScorerContext(model=model)), keep_ratio=0.25)
-    model.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    model.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     layer = cache.layers[0]
     assert layer.kept_positions.shape[-1] == 10 and layer.budgets.tolist() == [10, 7]
     assert layer.keys.shape[-2] == 11  # 10 kept, then the first generated token (the last one is not fed back)
 
     out = tmp_path / "eval"
     main(["eval", "--tiny", "--methods", "full", "toy_keynorm", "--keep-ratios", "0.3", "--tasks", "niah_single_1",
-          "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out-dir", str(out), *toy])
+          "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out", str(out), *toy])
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {(r["method"], r["keep_ratio"]) for r in records} == {("full", 1.0), ("toy_keynorm", 0.3)}
 

@@ -6,16 +6,17 @@ import re
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from proxykv_hf import ProxyKVCache
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.eval import corpora, realtext, splits
 from proxykv_hf.eval.harness import EvalConfig
 from proxykv_hf.eval.metrics import score_sample
 from proxykv_hf.eval.report import bootstrap, interval_tables, paired_difference
 from proxykv_hf.eval.tasks import family_of, generate, task_fn
+from proxykv_hf.mapper.hub import BUNDLED_DIR
 from proxykv_hf.scorers.base import LayerInputs, Prompt
-from proxykv_hf.scoring import attention_sums
+from proxykv_hf.attention.statistics import attention_sums
 from proxykv_hf.scorers.statistic import AttentionStatisticScorer
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
@@ -116,7 +117,10 @@ def test_splits_are_disjoint_and_locked():
     assert len({train.seed, dev.seed, test.seed}) == 3
     assert train.seed < splits.TRAIN_SEED_LIMIT <= min(dev.seed, test.seed)
     for name in corpora.CORPORA:
-        assert corpora.CORPORA[name].split in ("train", "dev", "test")
+        assert corpora.CORPORA[name].split in ("train", "dev", "test", "ruler")
+    ruler = splits.get_split("ruler")
+    assert {corpora.CORPORA[c].split for c in ruler.corpora} <= {"ruler"}
+    assert len({train.seed, dev.seed, test.seed, ruler.seed}) == 4 and ruler.seed >= splits.TRAIN_SEED_LIMIT
 
 
 def test_plain_sentence_corpora_share_no_sentence_across_splits():
@@ -256,15 +260,12 @@ def test_statistic_scorer_matches_a_hand_computation():
 
 @pytest.mark.parametrize("statistic", ["sum", "max", "lookback"])
 def test_statistic_scorer_in_generate(statistic):
+    """With score pooling (``kernel_size``); keep_ratio 1 is the scorer contract's (tests/test_scorer_contract.py)."""
     model = tiny_model("llama")
     inputs = random_prompt(2, 30, lengths=[30, 21], seed=3)
-    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-    ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **kw)
-    same = model.generate(**inputs, past_key_values=ProxyKVCache(AttentionStatisticScorer(statistic), 1.0), **kw)
-    assert torch.equal(ref, same)
     cache = ProxyKVCache(AttentionStatisticScorer(statistic, kernel_size=3), keep_ratio=0.4)
-    out = model.generate(**inputs, past_key_values=cache, **kw)
-    assert out.shape == ref.shape
+    out = model.generate(**inputs, **with_cache(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 30 + 4)
     assert cache.layers[0].keys.shape[-2] == 12 + 3  # ceil(0.4 * 30) kept + the tokens added later
 
 
@@ -282,9 +283,9 @@ def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
     from proxykv_hf.cli import main
 
     out = tmp_path / "dev"
-    main(["eval", "--tiny", "--split", "dev", "--methods", "full", "attn_max", "attn_sum", "attn_novelty", "--keep-ratios",
-          "0.3",
-          "--context-lengths", "700", "--n-samples", "1", "--max-new-tokens", "2", "--out-dir", str(out)])
+    main(["eval", "--tiny", "--split", "dev", "--methods", "full", "attn_max", "attn_sum", "attn_novelty",
+          "--keep-ratios", "0.3", "--context-lengths", "700", "--n-samples", "1", "--max-new-tokens", "2", "--out",
+          str(out)])
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert {r["task"] for r in records} == set(splits.SPLITS["dev"].tasks)
     assert {r["method"] for r in records} == {"full", "attn_max", "attn_sum", "attn_novelty"}
@@ -294,7 +295,7 @@ def test_cli_eval_on_the_dev_split_and_guarded_build(tmp_path, capsys):
         main(["build-data", "--tiny", "--tasks", "needle:filler-dev", "--n-per-task", "1", "--tokens", "200",
               "--out", str(tmp_path / "data")])
     with pytest.raises(SystemExit):
-        main(["eval", "--tiny", "--split", "train", "--out-dir", str(tmp_path / "x")])
+        main(["eval", "--tiny", "--split", "train", "--out", str(tmp_path / "x")])
     main(["corpora"])
     listing = capsys.readouterr().out
     assert all(name in listing for name in corpora.CORPORA)
@@ -417,7 +418,7 @@ def test_the_qwen_pair_tables_in_the_docs_are_the_records():
     means = dict((name, mean) for name, _, mean in rows)
     assert f"| {full} | {means['KVzip']} [" in readme and f"**{means['ProxyKV']}** [" in readme
     assert "on the test split's 120 samples (20 of each task)" in readme
-    card = _doc(root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct" / "README.md")
+    card = _doc(BUNDLED_DIR / "proxykv-qwen2.5-coder-1.5b-instruct" / "README.md")
     assert ("all 120 samples" in card and f"{means['ProxyKV']} against KVzip's "
             f"{means['KVzip']}" in card and f"the full cache {full} |" in card)
 
@@ -435,7 +436,7 @@ def test_the_qwen_self_mappers_dev_figures_in_the_docs_are_the_records():
     assert f"reached {mean}, the same mean as the 0.5B-proxy mapper (paired {diff:+.1f} points" in results
     assert means["proxykv_self"] == means["ProxyKV"]  # "the same mean", "ties" (training.md, the card)
     assert f"at {' / '.join(ratios)} for rho 0.1 / 0.3 / 0.5" in results
-    card = _doc(root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md")
+    card = _doc(BUNDLED_DIR / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md")
     assert (f"| {means['proxykv_self']} against KVzip's {means['KVzip']} (" in card
             and f"({means['ProxyKV']}; paired {diff:+.1f} points" in card)
     assert f"({means['proxykv_self']} each)" in _doc(root / "docs" / "training.md")
@@ -455,7 +456,7 @@ def test_the_qwen_self_mappers_test_figures_in_the_docs_are_the_records():
     results = _doc(root / "docs" / "results.md")
     assert f"| ProxyKV, self |{rows['proxykv_self']} [" in results and f"| {share}% (" in results
     assert f"the self mapper is {-diff:.1f} points below the pair mapper" in results
-    card = _doc(root / "proxykv_hf" / "checkpoints" / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md")
+    card = _doc(BUNDLED_DIR / "proxykv-qwen2.5-coder-1.5b-instruct-self" / "README.md")
     assert (f"| {means['proxykv_self']} against KVzip's {means['KVzip']} ({share}%" in card
             and f"mapper's {means['ProxyKV']} (paired {diff:+.1f} points" in card)
     readme = _doc(root / "README.md")

@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.hub import Checkpoint, load_checkpoint, save_checkpoint
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig, TimeEncoder
-from proxykv_hf.proxy import ProxySpec, proxy_features
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.hub import Checkpoint, load_checkpoint, save_checkpoint
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig, TimeEncoder
+from proxykv_hf.mapper.proxy import ProxySpec, proxy_features
 from proxykv_hf.testing import random_prompt, tiny_checkpoint, tiny_model
 
 TARGET_LAYERS = 4
@@ -41,13 +41,9 @@ def test_one_liner_generate(tmp_path, target, proxy, kind):
     extra = {"proxy": proxy} if kind == "model" else {}
     inputs = random_prompt(2, 40, lengths=[40, 31], seed=0)
     kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    # identity at keep_ratio 1.0
-    ref = target.generate(**inputs, past_key_values=DynamicCache(config=target.config), **kw)
-    out = target.generate(**inputs, past_key_values=ProxyKVCache.from_pretrained(path, keep_ratio=1.0, **extra), **kw)
-    assert torch.equal(ref, out)
-    # physical size after prefill
+    # physical size after prefill (keep_ratio 1: the scorer contract, tests/test_scorer_contract.py)
     cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, **extra)
-    out = target.generate(**inputs, past_key_values=cache, **kw)
+    out = target.generate(**inputs, **with_cache(cache), **kw)
     assert cache.physical_lengths() == [math.ceil(0.3 * 40) + 4] * TARGET_LAYERS
     assert cache.get_seq_length() == 44
     # the kept sets are the Top-K of the mapper's scores on the proxy features
@@ -55,13 +51,13 @@ def test_one_liner_generate(tmp_path, target, proxy, kind):
         runner = proxy if kind == "model" else target
         x = proxy_features(runner, inputs["input_ids"], inputs["attention_mask"], layers=ckpt.proxy.layers)
         scores = ckpt.mapper(x, attention_mask=inputs["attention_mask"])
-        from proxykv_hf.selection import select_topk
+        from proxykv_hf.cache.selection import select_topk
 
         for layer in range(TARGET_LAYERS):
             idx, _ = select_topk(scores[:, layer], 0.3, inputs["attention_mask"].bool(), n_sink=4)
             assert torch.equal(idx, cache.layers[layer].kept_positions)
     # a fresh cache from the template gives the same result
-    assert torch.equal(out, target.generate(**inputs, past_key_values=cache.fresh(), **kw))
+    assert torch.equal(out, target.generate(**inputs, **with_cache(cache.fresh()), **kw))
 
 
 @pytest.mark.parametrize("kind", ["layers", "self"])
@@ -69,7 +65,7 @@ def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, 
     """A mapper whose direct path reads earlier proxy layers (direct_context) keeps the Top-K of the scores its
     all-layer forward gives, also for the self proxy, which hands it its layers one at a time; a fresh cache on a
     second prompt starts anew."""
-    from proxykv_hf.selection import select_topk
+    from proxykv_hf.cache.selection import select_topk
 
     _, ckpt = make_checkpoint(tmp_path, kind)
     cfg = ckpt.mapper.config
@@ -89,7 +85,7 @@ def test_direct_context_selects_the_topk_of_the_mapper_scores(tmp_path, target, 
                            statistics=ckpt.proxy.statistics)
         scores = wide(x, attention_mask=inputs["attention_mask"])
         cache = cache.fresh()
-        target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        target.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
         for layer in range(TARGET_LAYERS):
             idx, _ = select_topk(scores[:, layer], 0.5, valid, n_sink=4)
             assert torch.equal(idx, cache.layers[layer].kept_positions), (seed, layer)
@@ -107,7 +103,7 @@ def test_clear_errors(tmp_path, target, proxy):
     prompt = random_prompt(1, 20)
     prompt["input_ids"][0, 5] = 250
     with pytest.raises(ValueError, match=r"share a tokenizer: token id \d+ is outside the proxy.s vocabulary \(200 rows"):
-        target.generate(**prompt, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+        target.generate(**prompt, **with_cache(cache), max_new_tokens=2, pad_token_id=0)
     # proxy with another shape than the mapper was trained on
     with pytest.raises(ValueError, match="mapper expects"):
         ProxyKVCache.from_pretrained(path, proxy=tiny_model("llama", num_hidden_layers=3))
@@ -115,7 +111,7 @@ def test_clear_errors(tmp_path, target, proxy):
     wrong = tiny_model("llama", num_hidden_layers=TARGET_LAYERS, num_key_value_heads=1)
     cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, proxy=proxy)
     with pytest.raises(ValueError, match="1 KV heads"):
-        wrong.generate(**random_prompt(1, 20), past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+        wrong.generate(**random_prompt(1, 20), **with_cache(cache), max_new_tokens=2, pad_token_id=0)
 
 
 @pytest.mark.parametrize("kind", ["self", "layers"])
@@ -123,8 +119,8 @@ def test_statistics_fused_with_the_attention_change_nothing(tmp_path, target, ki
     """Off the GPU, the proxy's statistics of an unpadded prefill come with the attention output from one softmax
     (scoring.causal_attention_with_statistics): same kept sets and tokens as sdpa followed by the statistics.
     Padded batches keep that path."""
-    from proxykv_hf import proxy as proxy_module
-    from proxykv_hf import schedule as schedule_module
+    from proxykv_hf.mapper import proxy as proxy_module
+    from proxykv_hf.cache import schedule as schedule_module
 
     path, ckpt = make_checkpoint(tmp_path, kind)
     calls, features = [], []
@@ -143,7 +139,7 @@ def test_statistics_fused_with_the_attention_change_nothing(tmp_path, target, ki
         for fuse in (False, True):
             calls.clear(), features.clear()
             cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.3, fuse_statistics=fuse)
-            out = target.generate(**inputs, past_key_values=cache, **kw)
+            out = target.generate(**inputs, **with_cache(cache), **kw)
             runs[fuse] = out, [layer.kept_positions for layer in cache.layers], len(calls), list(features)
         assert runs[False][2] == 0 and runs[True][2] == fused_calls
         assert torch.equal(runs[False][0], runs[True][0])
@@ -173,7 +169,7 @@ def test_mapper_precision_follows_the_device(tmp_path, target, monkeypatch):
                             lambda *a, **kw: dtypes.append(torch.get_autocast_dtype("cpu")
                                                            if torch.is_autocast_enabled("cpu") else None)
                             or real(*a, **kw))
-        target.generate(**inputs, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        target.generate(**inputs, **with_cache(cache), max_new_tokens=1, do_sample=False, pad_token_id=0)
         return [cache.layers[i].kept_positions for i in range(TARGET_LAYERS)]
 
     full = kept(False)
@@ -236,9 +232,9 @@ def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target,
     those two layers only (fused with their attention, and the mapper run without a mask, on an unpadded batch),
     layers 1 and 3 take their paired layer's features, and every layer keeps the Top-K of the scores the mapper's
     all-layer forward gives on those two layers' features (the direct path reading one layer back)."""
-    from proxykv_hf import schedule as schedule_module
+    from proxykv_hf.cache import schedule as schedule_module
     from proxykv_hf import scorers
-    from proxykv_hf.selection import select_topk
+    from proxykv_hf.cache.selection import select_topk
 
     _, ckpt = make_checkpoint(tmp_path, "self")
     spec = ProxySpec(kind="self", num_layers=2, num_heads=4, layers=[0, 2])
@@ -260,7 +256,7 @@ def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target,
                         real_encode(self, z, pad))
     inputs = random_prompt(2, 40, lengths=lengths, seed=5)
     cache = ProxyKVCache.from_pretrained(path, keep_ratio=0.5, **FLOAT32)
-    target.generate(**inputs, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    target.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert (len(fused), len(summed)) == ((2, 0) if lengths[0] == lengths[1] else (0, 2))
     assert masked == [lengths[0] != lengths[1]] * 2  # the encoder's attention takes a mask only where there is padding
     x = proxy_features(target, inputs["input_ids"], inputs["attention_mask"], statistics_layers=[0, 2])
@@ -276,7 +272,7 @@ def test_self_proxy_on_a_layer_subset_reads_those_layers_alone(tmp_path, target,
 def test_self_proxy_layers_must_not_read_a_later_layer(tmp_path):
     """Each target layer is compacted right after its attention, so a self proxy's layer list must pair every
     target layer with itself or an earlier layer; a model proxy runs all its layers."""
-    from proxykv_hf.proxy import check_self_layers
+    from proxykv_hf.mapper.proxy import check_self_layers
 
     assert check_self_layers([0, 2], 4) == [0, 2] and check_self_layers(None, 3) == [0, 1, 2]
     with pytest.raises(ValueError, match=r"target layers \[0, 2\] would read .* e.g. layers \[0, 2\]"):
@@ -299,7 +295,7 @@ def test_self_proxy_layers_must_not_read_a_later_layer(tmp_path):
 
 def test_proxy_statistic_scores_are_the_paired_proxy_layer_and_kv_group():
     from proxykv_hf.eval.methods import record_scores
-    from proxykv_hf.proxy import proxy_features
+    from proxykv_hf.mapper.proxy import proxy_features
     from proxykv_hf.scorers import ScorerContext, registry
 
     target = tiny_model("llama", num_hidden_layers=4)

@@ -10,11 +10,12 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import LayerScorer, ModelScorer, ProxyKVCache
-from proxykv_hf.cli_helpers import tiny_mapper_checkpoint
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.cli.helpers import tiny_mapper_checkpoint
 from proxykv_hf.eval.methods import record_scores
 from proxykv_hf.scorers import ScorerContext, registry
 from proxykv_hf.scorers.proxy import bfloat16_is_fast
-from proxykv_hf.selection import keep_counts, select_topk
+from proxykv_hf.cache.selection import keep_counts, select_topk
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
 BUILT_IN = [name for name in registry.names() if name != "full"]
@@ -62,7 +63,7 @@ def test_scores_shape_and_higher_means_keep(setup, name):
     inputs = random_prompt(2, 120, lengths=[120, 100], seed=3)  # longer than SnapKV's window of 64
     scores = _recorded(model, scorer, inputs)
     cache = ProxyKVCache(scorer.fresh(), keep_ratio=0.3)
-    model.generate(**inputs, past_key_values=cache, **GEN)
+    model.generate(**inputs, **with_cache(cache), **GEN)
     assert sorted(scores) == cache.compactable_layers()
     for i, s in scores.items():
         assert s.shape == (2, model.config.num_key_value_heads, 120)
@@ -89,10 +90,10 @@ def test_padded_rows_score_as_alone(setup, name):
 def test_keep_ratio_one_is_a_dynamic_cache(setup, name):
     model, ctx = setup
     inputs = random_prompt(2, 30, lengths=[30, 22], seed=7)
-    ref = model.generate(**inputs, past_key_values=DynamicCache(config=model.config), **GEN)
+    ref = model.generate(**inputs, **with_cache(DynamicCache(config=model.config)), **GEN)
     for budget in ("uniform", "global"):
         cache = ProxyKVCache(_build(name, ctx), keep_ratio=1.0, budget=budget)
-        assert torch.equal(ref, model.generate(**inputs, past_key_values=cache, **GEN))
+        assert torch.equal(ref, model.generate(**inputs, **with_cache(cache), **GEN))
 
 
 @pytest.mark.parametrize("name", BUILT_IN)
@@ -101,7 +102,7 @@ def test_global_budget_keeps_the_nominal_total(setup, name):
     model, ctx = setup
     inputs = random_prompt(2, 100, lengths=[100, 80], seed=8)
     cache = ProxyKVCache(_build(name, ctx), keep_ratio=0.3, budget="global")
-    model.generate(**inputs, past_key_values=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    model.generate(**inputs, **with_cache(cache), max_new_tokens=1, do_sample=False, pad_token_id=0)
     k = keep_counts(inputs["attention_mask"].sum(-1), 0.3, cache.n_sink + cache.n_recent)
     L, H = len(cache.compactable_layers()), model.config.num_key_value_heads
     assert cache.held_entries() == int(k.sum()) * L * H
@@ -120,7 +121,7 @@ def test_wrong_score_shape_is_a_clear_error(setup, name, monkeypatch):
         monkeypatch.setattr(scorer, "score", lambda inputs: real(inputs)[..., 1:])
     inputs = random_prompt(1, 100, seed=9)
     with pytest.raises(ValueError, match=r"returned scores of shape \(1, 2, 99\) .* expected \(1, 2, 100\)"):
-        model.generate(**inputs, past_key_values=cache, **GEN)
+        model.generate(**inputs, **with_cache(cache), **GEN)
 
 
 def test_registry_refuses_bad_names_and_builders():
@@ -141,11 +142,11 @@ def test_registry_refuses_bad_names_and_builders():
 
 
 def test_a_separate_proxy_is_hashed_once_and_again_after_it_changes(monkeypatch):
-    import proxykv_hf.fingerprints as fp
+    import proxykv_hf.models.fingerprints as fp
     from proxykv_hf import ProxyScorer
-    from proxykv_hf.hub import Checkpoint, TargetSpec
-    from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-    from proxykv_hf.proxy import ProxySpec
+    from proxykv_hf.mapper.hub import Checkpoint, TargetSpec
+    from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+    from proxykv_hf.mapper.proxy import ProxySpec
 
     proxy = tiny_model("llama", seed=3, num_hidden_layers=4)
     mapper = HybridAxialMapper(MapperConfig.tiny(num_proxy_layers=4, num_proxy_heads=4, num_target_layers=3,

@@ -1,5 +1,5 @@
 """Every built-in scorer's ``settings()``, pinned: saved contexts record them and a context store keys by them
-(:mod:`proxykv_hf.contexts`, :mod:`proxykv_hf.store`), so their keys and values must not change (contexts saved
+(:mod:`proxykv_hf.contexts`, :mod:`proxykv_hf.contexts.store`), so their keys and values must not change (contexts saved
 before must still load, store keys must stay the same). The expected dicts were written down from the scorers as
 they were before they became dataclasses; a proxy model and a mapper appear by a digest of their weights, computed
 here. Also: every public scorer is a dataclass whose fields are its options."""
@@ -14,11 +14,11 @@ import torch
 
 import proxykv_hf
 from proxykv_hf import scorers
-from proxykv_hf.fingerprints import weights_digest
+from proxykv_hf.models.fingerprints import weights_digest
 from proxykv_hf.scorers import (AttentionStatisticScorer, KVzipIAMScorer, KVzipScorer, ProxyScorer, RandomScorer,
                                 SnapKVScorer, StreamingLLMScorer)
 from proxykv_hf.scorers.statistic import ProxyStatisticScorer
-from proxykv_hf.scoring import FusedStatistics
+from proxykv_hf.attention.statistics import FusedStatistics
 from proxykv_hf.testing import tiny_checkpoint, tiny_model, tiny_tokenizer
 
 MODULE = "proxykv_hf.scorers."
@@ -170,7 +170,7 @@ def test_every_public_scorer_is_a_dataclass(module):
 def test_proxy_scorer_is_the_scorer_of_the_checkpoint_kind(tmp_path, kind, proxy):
     """A self proxy and a proxy run on its own are two classes; ``ProxyScorer(checkpoint)`` and
     ``ProxyScorer.from_pretrained`` pick the one of the checkpoint's kind, and each refuses the other kind."""
-    from proxykv_hf.hub import save_checkpoint
+    from proxykv_hf.mapper.hub import save_checkpoint
     from proxykv_hf.scorers import SelfProxyScorer, SeparateProxyScorer
 
     ckpt = tiny_checkpoint(kind)
@@ -222,3 +222,13 @@ def test_registry_builds_each_scorer_dataclass_from_the_context():
 def test_bad_options_are_errors_that_quote_them(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("cls", [KVzipScorer, KVzipIAMScorer])
+def test_chunk_size_is_the_deprecated_spelling_of_context_chunk(cls):
+    """0.1.0's ``chunk_size=`` still sets ``context_chunk`` (with a FutureWarning naming the new name); it is not a
+    setting of its own."""
+    with pytest.warns(FutureWarning, match="use context_chunk="):
+        scorer = cls(chunk_size=32)
+    assert scorer.context_chunk == 32 and "chunk_size" not in scorer.settings()
+    assert dataclasses.replace(scorer).context_chunk == 32

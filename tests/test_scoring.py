@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from proxykv_hf.scoring import attention_sums
+from proxykv_hf.attention.statistics import attention_sums
 
 
 def explicit(query, key, valid, scaling):
@@ -80,7 +80,7 @@ def test_max_statistic_equals_explicit(chunk, Q, masked):
 def explicit_lookback(p, valid, Q, T):
     """"lookback" by its definition: at each query's position, the largest probability it gives to a key at least
     LOOKBACK_GAP positions back and past the row's first LOOKBACK_SINKS real tokens; ``p`` (B, H, Q, T)."""
-    from proxykv_hf.scoring import LOOKBACK_GAP, LOOKBACK_SINKS
+    from proxykv_hf.attention.statistics import LOOKBACK_GAP, LOOKBACK_SINKS
 
     B, H = p.shape[:2]
     out = torch.zeros(B, H, T)
@@ -177,7 +177,7 @@ def test_more_queries_than_keys_under_an_explicit_mask(chunk):
 
 def test_a_mask_that_shows_the_future_is_honoured():
     """Causal masks let each query chunk skip later keys; a mask that shows later keys must not be truncated."""
-    from proxykv_hf.scoring_torch import _hides_future
+    from proxykv_hf.attention.statistics_torch import _hides_future
 
     torch.manual_seed(2)
     B, H, H_kv, T, D = 2, 4, 2, 12, 8
@@ -204,7 +204,7 @@ def test_a_mask_that_shows_the_future_is_honoured():
 def test_attention_with_statistics_equals_attention_then_statistics(chunk, Q, statistics):
     """One pass gives the causal attention output (queries at the last Q of T positions) and what attention_sums
     returns; padding queries weigh nothing in the statistics but still get their output rows."""
-    from proxykv_hf.scoring import causal_attention_with_statistics
+    from proxykv_hf.attention.statistics import causal_attention_with_statistics
 
     torch.manual_seed(3)
     B, H, H_kv, T, D, Dv = 2, 6, 2, 13, 8, 5
@@ -241,7 +241,7 @@ def padded_prefill(seed: int, T: int):
 def test_kv_heads_per_pass_do_not_change_the_result(monkeypatch, masked):
     """The PyTorch path computes one KV head's queries at a time on a CPU and all KV heads at once elsewhere: both
     give the same statistics and output, under a padding mask too."""
-    from proxykv_hf import scoring, scoring_torch
+    from proxykv_hf.attention import statistics as scoring, statistics_torch as scoring_torch
 
     query, key, value, valid, mask = padded_prefill(seed=4, T=21)
     stats = ("sum", "max", "lookback")
@@ -263,7 +263,7 @@ def test_kv_heads_per_pass_do_not_change_the_result(monkeypatch, masked):
 
 
 def test_attention_with_statistics_bad_arguments():
-    from proxykv_hf.scoring import causal_attention_with_statistics as fused
+    from proxykv_hf.attention.statistics import causal_attention_with_statistics as fused
 
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8)
     with pytest.raises(ValueError, match="multiple"):
@@ -281,7 +281,7 @@ def test_attention_with_statistics_bad_arguments():
 def test_where_statistics_come_with_the_attention(monkeypatch):
     """Off the fused kernels' path always (one softmax); on it where flash attention can hand over its log-sum-exp
     and no earlier check of the same FusedStatistics has failed; never when it is disabled."""
-    from proxykv_hf import scoring
+    from proxykv_hf.attention import statistics as scoring
 
     q = torch.randn(1, 2, 4, 8)
     fuses, recomputations = scoring.fuses_with_attention, scoring.recomputations  # + how often Q K^T is redone
@@ -304,7 +304,7 @@ def test_where_statistics_come_with_the_attention(monkeypatch):
 
 def test_flash_attention_with_lse_on_cpu():
     """PyTorch's flash attention returns sdpa's output and each row's natural-log log-sum-exp (GQA included)."""
-    from proxykv_hf import kernels
+    from proxykv_hf.attention import kernels
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 33, 16), torch.randn(2, 2, 33, 16), torch.randn(2, 2, 33, 16)
@@ -327,7 +327,7 @@ def test_cudnn_heads_asked_once_per_device(monkeypatch):
     """cuDNN's attention is tried with grouped key heads, then with heads repeated, then given up (flash runs
     instead); the answer is kept per device, dtype and head dimension, and a refusal after it once ran for them is
     an error, not a fallback."""
-    from proxykv_hf import kernels
+    from proxykv_hf.attention import kernels
 
     calls = []
 
@@ -380,7 +380,7 @@ def test_flash_statistics_and_their_check(monkeypatch, caplog, fault):
     """Where the fused kernels run, the statistics take flash attention's log-sum-exp; the first call checks it
     (probabilities summing to one per row), and a log-sum-exp that fails the check, or a flash call that raises,
     sends later calls with the same FusedStatistics back to sdpa + both passes with a warning, never to wrong statistics."""
-    from proxykv_hf import kernels, scoring
+    from proxykv_hf.attention import kernels, statistics as scoring
 
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
@@ -401,7 +401,7 @@ def test_flash_statistics_and_their_check(monkeypatch, caplog, fault):
     monkeypatch.setattr(kernels, "available", lambda query: True)
     monkeypatch.setattr(kernels, "flash_attention_with_lse", flash)
     monkeypatch.setattr(kernels, "causal_attention_sums", _column_pass)
-    with caplog.at_level("WARNING", logger="proxykv_hf.scoring"):
+    with caplog.at_level("WARNING", logger="proxykv_hf.attention.statistics"):
         out, got = scoring.causal_attention_with_statistics(q, k, v, 0.4, query_valid=valid,
                                                             statistics=("sum", "max"), fused=fused)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
@@ -434,7 +434,7 @@ def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch
     taking the next chunk as it is free (the longest first), with its own sums and maxima: every chunk is computed
     once, off the caller's thread, and the statistics and output are those of one thread over every chunk (up to
     float rounding), under a padding mask and with padded queries too; torch's thread count is 2 again afterwards."""
-    from proxykv_hf import scoring, scoring_torch
+    from proxykv_hf.attention import statistics as scoring, statistics_torch as scoring_torch
 
     query, key, value, valid, mask = padded_prefill(seed=5, T=23)
     stats = ("sum", "max", "lookback")
@@ -470,7 +470,7 @@ def test_cpu_chunks_split_between_threads_give_the_one_thread_result(monkeypatch
 def test_cpu_worker_sums_do_not_depend_on_which_worker_took_which_chunk():
     """The workers' float64 sums, added up and rounded to float32, are the same bits for any split of the chunks
     between them (which chunk a worker takes changes from one call to the next)."""
-    from proxykv_hf import scoring_torch
+    from proxykv_hf.attention import statistics_torch as scoring_torch
 
     query, key, _, valid, mask = padded_prefill(seed=6, T=40)
     chunked = scoring_torch._Chunks(query, key, mask, 0.3, valid, 4, ("sum",), None)
@@ -487,7 +487,7 @@ def test_cpu_worker_sums_do_not_depend_on_which_worker_took_which_chunk():
 
 
 def test_cpu_pass_stays_on_one_thread_where_threads_do_not_pay(two_torch_threads):
-    from proxykv_hf.scoring_torch import THREADED_MIN_PAIRS, _cpu_workers
+    from proxykv_hf.attention.statistics_torch import THREADED_MIN_PAIRS, _cpu_workers
 
     big = torch.zeros(1, 1, 2048, 8)
     assert THREADED_MIN_PAIRS <= 2048 * 2048
@@ -505,7 +505,7 @@ def test_cpu_pass_stays_on_one_thread_where_threads_do_not_pay(two_torch_threads
 @pytest.mark.parametrize("scorer", ["snapkv", "proxy", "statistic"])
 def test_a_prefill_with_grad_mode_on_scores_without_grad(scorer):
     from proxykv_hf import ProxyKVCache, SnapKVScorer
-    from proxykv_hf.compat import with_cache
+    from proxykv_hf.attention.compat import with_cache
     from proxykv_hf.scorers.statistic import AttentionStatisticScorer
     from proxykv_hf.testing import random_prompt, self_proxy_scorer, tiny_model
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxykv_hf.selection import check_keep_ratio, keep_counts, select_topk, smooth_scores
+from proxykv_hf.cache.selection import check_keep_ratio, keep_counts, select_topk, smooth_scores
 
 
 @st.composite

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from proxykv_hf import ContextStore, ProxyKVPipeline, SnapKVScorer
-from proxykv_hf.context_files import temp_name
-from proxykv_hf.contexts import TENSORS_NAME
+from proxykv_hf.contexts.directory import temp_name
+from proxykv_hf.contexts.format import TENSORS_NAME
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -58,7 +58,7 @@ def test_keys_follow_what_decides_the_compression(model, tmp_path):
 
 
 def test_a_crashed_writer_leaves_nothing_a_later_run_loads(model, tmp_path, monkeypatch):
-    import proxykv_hf.contexts as contexts
+    import proxykv_hf.contexts.format as contexts
 
     pipe, store = pipeline(model), ContextStore(tmp_path / "store")
     real = contexts.save_file

@@ -12,9 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from proxykv_hf import ProxyKVCache
-from proxykv_hf.hub import load_checkpoint
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.proxy import proxy_features
+from proxykv_hf.attention.compat import with_cache
+from proxykv_hf.mapper.hub import load_checkpoint
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper.proxy import proxy_features
 from proxykv_hf.testing import tiny_model, tiny_tokenizer
 from proxykv_hf.train import (DataConfig, Manifest, MapperDataset, TrainConfig, build_dataset, crop_starts,
                               mapper_config_for, merge_datasets, split_dataset, texts_from_files, texts_from_hf_dataset,
@@ -256,7 +257,7 @@ def test_build_train_load_generate(kind, tmp_path, target, tok, texts):
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "run"), keep_ratio=0.3, proxy=proxy)
     enc = tok([texts[0]], return_tensors="pt")
     n = enc["input_ids"].shape[1]
-    out = target.generate(**enc, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    out = target.generate(**enc, **with_cache(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (1, n + 3)
     assert max(cache.physical_lengths()) < n  # the prompt was compacted
 
@@ -313,7 +314,7 @@ def test_layers_per_step_trains_on_a_random_subset(self_data, tmp_path, monkeypa
 def test_target_layers_train_and_validate_on_those_layers_alone(self_data, tmp_path, monkeypatch):
     """``target_layers``: every training step draws among those layers only, validation scores them alone, and a
     checkpoint of several mappers cannot be the start of a run."""
-    from proxykv_hf.hub import Checkpoint, save_checkpoint
+    from proxykv_hf.mapper.hub import Checkpoint, save_checkpoint
 
     mcfg = mapper_config_for(self_data, "tiny")
     assert mcfg.num_target_layers >= 3
@@ -414,7 +415,7 @@ def test_texts_from_tasks(tok):
 
 def test_default_oracle_is_kvzip(tmp_path, target, tok, texts):
     pytest.importorskip("proxykv_hf.scorers.kvzip")
-    m = build_dataset(texts[:1], target, tok, tmp_path, data_config(oracle_kwargs={"chunk_size": 32}),
+    m = build_dataset(texts[:1], target, tok, tmp_path, data_config(oracle_kwargs={"context_chunk": 32}),
                       progress=False)
     assert m.oracle.endswith("kvzip_scores")
     y = MapperDataset(tmp_path)[0]["y"]  # (L_l, H_kv, C)
@@ -433,7 +434,7 @@ def test_hybrid_target_keeps_full_attention_layers(tmp_path, tok, texts):
                  fast_train(epochs=1, max_steps=2))
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "run"), keep_ratio=0.3)
     enc = tok([texts[0]], return_tensors="pt")
-    out = target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    out = target.generate(**enc, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert out.shape[1] == enc["input_ids"].shape[1] + 2
 
 
@@ -497,8 +498,8 @@ def test_plot_training_without_matplotlib_warns(tmp_path, monkeypatch, caplog):
 def test_max_statistic_data_reuses_scores(self_data, tmp_path, target, tok, texts):
     """Features with the max beside the sum: built without another oracle pass, trained on, loaded and used for
     generation; a sum-only mapper cannot start such a run."""
-    from proxykv_hf.hub import Checkpoint
-    from proxykv_hf.proxy import ProxySpec
+    from proxykv_hf.mapper.hub import Checkpoint
+    from proxykv_hf.mapper.proxy import ProxySpec
 
     cfg = data_config(proxy_kind="self", proxy_statistics=["sum", "max"])
     m = build_dataset(texts, target, tok, tmp_path / "data", cfg, oracle=CountingOracle(fail_at=1),
@@ -525,7 +526,7 @@ def test_max_statistic_data_reuses_scores(self_data, tmp_path, target, tok, text
 
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "b"), keep_ratio=0.3)
     enc = tok([texts[0]], return_tensors="pt")
-    out = target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    out = target.generate(**enc, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert out.shape[1] == enc["input_ids"].shape[1] + 2 and max(cache.physical_lengths()) < enc["input_ids"].shape[1]
     spec = ProxySpec(kind="self", num_layers=4, num_heads=H)  # sum only: the wide mapper cannot read it
     with pytest.raises(ValueError, match="statistics"):
@@ -600,7 +601,7 @@ def test_training_on_a_subset_of_a_self_proxys_layers(self_data, tmp_path, targe
         train_mapper(self_data, tmp_path / "half", mcfg, fast_train(max_steps=3, proxy_layers=[0, 1]))
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "half"), keep_ratio=0.3)
     enc = tok([texts[0]], return_tensors="pt")
-    target.generate(**enc, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    target.generate(**enc, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert max(cache.physical_lengths()) < enc["input_ids"].shape[1]
 
 

@@ -12,8 +12,8 @@ import torch
 from transformers import DynamicCache
 
 from proxykv_hf import ProxyKVCache, ProxyKVPipeline, SnapKVScorer
-from proxykv_hf.compat import CACHE_KWARG, SUPPORTED, cache_of, check_version, with_cache
-from proxykv_hf.prompt import running_forward
+from proxykv_hf.attention.compat import CACHE_KWARG, SUPPORTED, cache_of, check_version, with_cache
+from proxykv_hf.cache.prompt import running_forward
 from proxykv_hf.testing import random_prompt, tiny_model, tiny_tokenizer
 
 GEN = dict(do_sample=False, pad_token_id=0, max_new_tokens=3)
@@ -141,10 +141,10 @@ def test_our_own_calls_raise_no_past_key_values_deprecation(model, tmp_path):
                        assistant_model=tiny_model("llama"), **GEN)
         main(["generate", "--tiny", "--method", "snapkv", "--prompt", "hello world " * 20, "--max-new-tokens", "2"])
         main(["eval", "--tiny", "--methods", "full", "snapkv", "kvzip", "--keep-ratios", "0.5", "--tasks",
-              "niah_single_1", "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out-dir",
+              "niah_single_1", "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out",
               str(tmp_path / "eval"), "--kvzip-chunk", "64"])
         main(["eval", "--tiny", "--methods", "full", "snapkv", "--keep-ratios", "0.5", "--tasks", "niah_single_1",
-              "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out-dir",
+              "--context-lengths", "200", "--n-samples", "1", "--max-new-tokens", "2", "--out",
               str(tmp_path / "eval-generate"), "--protocol", "generate"])
         main(["bench", "--tiny", "--methods", "full", "snapkv", "--context-lengths", "64", "--repeats", "1",
               "--warmup", "0", "--decode-tokens", "2"])

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from proxykv_hf import ProxyKVCache
+from proxykv_hf.attention.compat import with_cache
 from proxykv_hf.cli import build_parser, main
-from proxykv_hf.cli_helpers import load
-from proxykv_hf.hub import (BUNDLED_DIR, BUNDLED_MAPPER, CONFIG_NAME, WEIGHTS_NAME, Checkpoint, TargetSpec,
-                            load_checkpoint, looks_like_local_path)
-from proxykv_hf.mapper import HybridAxialMapper, MapperConfig
-from proxykv_hf.proxy import ProxySpec
+from proxykv_hf.cli.helpers import load
+from proxykv_hf.mapper.hub import (BUNDLED_DIR, BUNDLED_MAPPER, CONFIG_NAME, WEIGHTS_NAME, Checkpoint, TargetSpec,
+                                   load_checkpoint, looks_like_local_path)
+from proxykv_hf.mapper.model import HybridAxialMapper, MapperConfig
+from proxykv_hf.mapper.proxy import ProxySpec
 from proxykv_hf.testing import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -107,7 +108,7 @@ def test_query_head_mismatch_is_refused_up_front():
 
     cache = ProxyKVCache(ProxyScorer(ckpt), keep_ratio=0.3)
     with pytest.raises(ValueError, match="8 query heads"):
-        model.generate(**random_prompt(1, 40, seed=1), past_key_values=cache, max_new_tokens=2, do_sample=False,
+        model.generate(**random_prompt(1, 40, seed=1), **with_cache(cache), max_new_tokens=2, do_sample=False,
                        pad_token_id=0)
 
 
@@ -161,7 +162,7 @@ def test_output_and_input_directory_user_errors(tmp_path, capsys):
 
 def test_only_user_errors_become_exits(monkeypatch, capsys):
     """ValueError -> status 2 (or its traceback with -v); any other exception is a bug and propagates."""
-    import proxykv_hf.cli as cli
+    import proxykv_hf.cli.commands as cli
 
     def fails(error):
         def cmd(ns):
@@ -218,7 +219,7 @@ COMPRESS = ["compress", "--tiny", "--method", "snapkv", "--prompt", "the code is
 
 def _no_work(monkeypatch):
     """Make loading the model fail, so that an error must come before any work."""
-    import proxykv_hf.cli as cli
+    import proxykv_hf.cli.commands as cli
 
     monkeypatch.setattr(cli, "load", lambda ns: pytest.fail("loaded the model before checking --out"))
 
@@ -231,7 +232,7 @@ def test_compress_refuses_an_out_that_is_not_a_saved_context_before_any_work(tmp
     readonly = tmp_path / "readonly"
     readonly.mkdir(mode=0o555)
     if os.geteuid() == 0:  # root may write anywhere: pretend, as for any other user
-        import proxykv_hf.context_files as context_files
+        import proxykv_hf.contexts.directory as context_files
 
         real = os.access
         monkeypatch.setattr(context_files.os, "access", lambda p, mode: real(p, mode) and Path(p) != readonly)
@@ -266,8 +267,7 @@ def test_compress_out_and_generate_context_name_the_same_directory(tmp_path, cap
 
 def test_an_empty_or_continued_context_says_so(tmp_path, capsys):
     from proxykv_hf import ProxyKVPipeline, SnapKVScorer
-    from proxykv_hf.compat import with_cache
-    from proxykv_hf.compressed import encode_context
+    from proxykv_hf.contexts.compressed import encode_context
     from proxykv_hf.testing import tiny_tokenizer
 
     code, err = _exit(["compress", "--tiny", "--method", "snapkv", "--prompt", "", "--out", str(tmp_path / "x")],
@@ -343,7 +343,7 @@ def test_a_model_proxy_without_an_id_is_refused(copy_of_bundled, tmp_path, capsy
     lines = err.strip().splitlines()
     assert code == 2 and lines == ["proxykv build-data: error: --proxy-kind model needs --proxy-model-id: the proxy "
                                    "model's name, directory or Hub id"], err
-    from proxykv_hf.models import load_model
+    from proxykv_hf.models.loading import load_model
 
     with pytest.raises(ValueError, match="no model given"):  # never looked up on the Hub as "None"
         load_model(None)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..cli_helpers import dtype_of, from_args, load, mapper_for, mapper_overrides, proxy_model_of
+from ..cli.helpers import dtype_of, from_args, load, mapper_for, mapper_overrides, proxy_model_of
 from ..eval.harness import environment
 from .run import Bench, BenchConfig, plot, summary_json, table
 
@@ -57,9 +57,9 @@ def shape_mapper_overrides(ns) -> dict:
 
 def _shape_setup(ns):
     """Random-weight target + proxy of real shapes, and a random paper-preset mapper (honest for timing)."""
-    from ..hub import Checkpoint
-    from ..mapper import HybridAxialMapper
-    from ..proxy import ProxySpec
+    from ..mapper.hub import Checkpoint
+    from ..mapper.model import HybridAxialMapper
+    from ..mapper.proxy import ProxySpec
     from ..testing import tiny_tokenizer
     from ..train.data import target_spec_of
     from .shapes import PAIRS, pair_mapper_config, random_model

@@ -1,5 +1,5 @@
 """Matmul FLOPs of one prefill with a built-in method's cache, by part, for ``proxykv bench``
-(:mod:`proxykv_hf.flops` holds the formulas; this module reads what they need off each scorer).
+(:mod:`proxykv_hf.bench.flop_model` holds the formulas; this module reads what they need off each scorer).
 
 A scorer type without a counter here (a registered plug-in, the random and StreamingLLM baselines, the attention
 statistics) is not counted: :func:`method_prefill_flops` gives None for it.
@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..flops import attention_shape, kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
-from ..model_layout import full_attention_layers
+from .flop_model import attention_shape, kvzip_prefill_flops, kvzip_template_tokens, prefill_flops
+from ..models.layout import full_attention_layers
 from ..scorers.iam import KVzipIAMScorer
 from ..scorers.kvzip import KVzipScorer
 from ..scorers.proxy import ProxyScorer
 from ..scorers.snapkv import SnapKVScorer
-from ..scoring import recomputations
+from ..attention.statistics import recomputations
 
 
 def _proxykv(scorer: ProxyScorer, model, n: int) -> dict[str, float]:
@@ -37,8 +37,8 @@ def _proxykv(scorer: ProxyScorer, model, n: int) -> dict[str, float]:
 
 def _kvzip(scorer: KVzipScorer, model, n: int) -> dict[str, float]:
     first, later = kvzip_template_tokens(scorer, scorer._tokenizer_for(model))
-    return kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later, context_chunk=scorer.context_chunk,
-                               n_sink=scorer.n_sink)
+    return kvzip_prefill_flops(model.config, n, first_extra=first, later_extra=later,
+                               context_chunk=scorer.context_chunk, n_sink=scorer.n_sink)
 
 
 def _kvzip_iam(scorer: KVzipIAMScorer, model, n: int) -> dict[str, float]:
@@ -49,7 +49,7 @@ def _kvzip_iam(scorer: KVzipIAMScorer, model, n: int) -> dict[str, float]:
 
 
 def _snapkv(scorer: SnapKVScorer, model, n: int) -> dict[str, float]:
-    from ..flops import snapkv_flops
+    from .flop_model import snapkv_flops
 
     target = prefill_flops(model.config, n)["target"]
     extra = snapkv_flops(model.config, n, scorer.window)
@@ -66,7 +66,7 @@ def method_prefill_flops(scorer, model, n_tokens: int) -> dict[str, float] | Non
     (``"target"``, what the method adds, ``"total"``); None where the method is not counted.
 
     Raises:
-        ValueError: what :mod:`proxykv_hf.flops` cannot count (e.g. sliding-window layers under KVzip).
+        ValueError: what :mod:`proxykv_hf.bench.flop_model` cannot count (e.g. sliding-window layers under KVzip).
     """
     if scorer is None:
         target = prefill_flops(model.config, n_tokens)["target"]

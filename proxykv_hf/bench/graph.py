@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compat import with_cache
+from ..attention.compat import with_cache
 
 
 class SlotCache:

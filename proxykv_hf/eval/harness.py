@@ -14,7 +14,7 @@ Two protocols:
   prompt is scored again for each keep ratio).
 
 Each (task, length, sample, method, keep ratio) becomes one JSON line in ``results.jsonl``; a run that finds the
-file resumes where it stopped. Oracle fidelity (top-K recall of the kept set and the share of KVzip's score mass
+file resumes where it stopped. Under ``torchrun`` the processes share one run (:mod:`proxykv_hf.eval.distributed`). Oracle fidelity (top-K recall of the kept set and the share of KVzip's score mass
 it holds) is recorded whenever ``kvzip`` is among the methods.
 """
 
@@ -27,16 +27,17 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import ProxyKVCache
-from ..compat import with_cache
-from ..file_errors import reading, writing
-from ..pipeline import answer_from_cache
+from ..cache.proxykv_cache import ProxyKVCache
+from ..attention.compat import with_cache
+from ..models.file_errors import reading, writing
+from ..contexts.pipeline import answer_from_cache
 from ..scorers.kvzip import N_SINK as KVZIP_N_SINK
-from ..selection import BUDGETS, select_topk
+from ..cache.selection import BUDGETS, select_topk
 from . import tasks as task_lib
 from ..scorers import registry
 from ..scorers.registry import ScorerContext
@@ -58,15 +59,18 @@ class EvalConfig:
         methods: the methods to run: ``"full"`` and names of the scorer registry
             (:mod:`proxykv_hf.scorers.registry`).
         keep_ratios: budgets to sweep (the full cache is run once, at 1.0).
-        tasks: task names (see ``proxykv_hf.eval.tasks.TASKS``).
+        tasks: task names (see ``proxykv_hf.eval.tasks.TASKS``); with ``split``, those of the split to run (RULER's
+            own names for the ``ruler`` split: ``vt cwe``), all of them when none is named. Default: niah_single_1.
         context_lengths: target context lengths in tokens.
         n_samples: samples per (task, length).
         seed: base seed of the task generators.
         protocol: ``"query-agnostic"`` or ``"generate"``.
-        max_new_tokens: answer length cap.
+        max_new_tokens: answer length cap (a RULER benchmark task answers within RULER's own budget instead: 128
+            tokens for NIAH, 30 for vt, 120 for cwe, 50 for fwe).
         out_dir: where results, tables and plots go.
-        split: ``"dev"`` or ``"test"`` of the locked protocol (:mod:`proxykv_hf.eval.splits`): its tasks and seed
-            replace ``tasks`` and ``seed``, and the report names the split. None: the tasks and seed as given.
+        split: ``"dev"`` or ``"test"`` of the locked protocol, or ``"ruler"``, RULER as a benchmark
+            (:mod:`proxykv_hf.eval.splits`): its tasks (those of them ``tasks`` names) and its seed replace ``tasks``
+            and ``seed``, and the report names the split. None: the tasks and seed as given.
         budgets: ``"uniform"`` and/or ``"global"`` (``ProxyKVCache(budget=...)``); a method under the global
             budget is reported as ``<method>@global``.
         batched: query-agnostic protocol: share one prefill among the methods that read it the same way, and
@@ -74,12 +78,14 @@ class EvalConfig:
             per ratio (the same kept sets; answers may differ where floating-point order breaks a near tie).
         num_shards, shard_index: run only the samples whose index is ``shard_index`` modulo ``num_shards`` (each
             sample depends only on its task, seed and index, so shards run side by side in separate processes and
-            output directories (--out), one torch thread each, give the records of one run between them).
+            output directories (--out), one torch thread each, give the records of one run between them). Under
+            ``torchrun`` they are the world size and the rank, and the ranks' records are merged into one --out
+            (``proxykv_hf.eval.distributed``); give them by hand only without it.
     """
 
     methods: list[str] = field(default_factory=lambda: ["full", "kvzip", "snapkv", "streaming", "random"])
     keep_ratios: list[float] = field(default_factory=lambda: list(DEFAULT_RATIOS))
-    tasks: list[str] = field(default_factory=lambda: ["niah_single_1"])
+    tasks: list[str] = field(default_factory=list)
     context_lengths: list[int] = field(default_factory=lambda: [2048])
     n_samples: int = 20
     seed: int = 0
@@ -103,7 +109,8 @@ class EvalConfig:
                 raise ValueError("split 'train' holds training texts; evaluate on 'dev' (to choose) or 'test'")
             chosen = get_split(self.split)
             check_split(chosen)
-            self.tasks, self.seed = list(chosen.tasks), chosen.seed
+            self.tasks, self.seed = chosen.select(self.tasks), chosen.seed
+        self.tasks = list(self.tasks) or ["niah_single_1"]
         bad = [m for m in self.methods if m not in registry.names()]
         if bad:
             raise ValueError(f"unknown methods {bad}; choose from {', '.join(registry.names())}")
@@ -118,6 +125,11 @@ class EvalConfig:
             raise ValueError(f"shard_index must be in [0, num_shards), got {self.shard_index} of {self.num_shards}")
         for t in self.tasks:
             task_lib.task_fn(t)  # ValueError for an unknown task
+        if any(t.startswith("ruler_") for t in self.tasks):  # RULER's seeds and essays, before any model loads
+            from .ruler.registry import check_ready, check_seed
+
+            check_seed(self.seed)
+            check_ready(self.tasks)
 
 
 def environment(model) -> dict:
@@ -175,13 +187,16 @@ def _load_scores(path: Path) -> dict[int, torch.Tensor]:
 class Harness:
     """Runs an :class:`EvalConfig` on a model and tokenizer; see :func:`run_eval`."""
 
-    def __init__(self, model, tokenizer, config: EvalConfig, options: ScorerContext | None = None):
+    def __init__(self, model, tokenizer, config: EvalConfig, options: ScorerContext | None = None, *,
+                 records_dir: str | os.PathLike | None = None, done_elsewhere: Iterable[tuple] = ()):
         self.model, self.tok, self.config = model, tokenizer, config
         self.options = options or ScorerContext()
         if self.options.tokenizer is None:
             self.options.tokenizer = tokenizer
-        self.out = Path(config.out_dir)  # created by run(), once the samples are drawn
-        self.results_path = self.out / "results.jsonl"
+        self.out = Path(config.out_dir)  # created by run(), once the samples are drawn; the oracle's scores go here
+        self.records = self.out if records_dir is None else Path(records_dir)  # config.json and results.jsonl
+        self.results_path = self.records / "results.jsonl"
+        self.done_elsewhere = set(done_elsewhere)  # record keys another file holds (a distributed run's merged ones)
         self.scorers = {m: build_method(m, model, self.options) for m in config.methods}
         # the sinks of the stored KVzip scores, also when a later run adds methods without KVzip itself
         self.oracle_sink = self.scorers["kvzip"].n_sink if "kvzip" in self.scorers else KVZIP_N_SINK
@@ -216,24 +231,28 @@ class Harness:
         device = self.model.device
         return (torch.tensor([ctx], device=device), torch.tensor([q], device=device))
 
-    def _answer(self, cache, ctx, q) -> tuple[str, float]:
+    def _max_new_tokens(self, sample) -> int:
+        """The answer's cap: the sample's own (RULER's budget for its task) or ``max_new_tokens``."""
+        return sample.meta.get("max_new_tokens") or self.config.max_new_tokens
+
+    def _answer(self, cache, ctx, q, sample) -> tuple[str, float]:
         t0 = time.perf_counter()
-        ids = answer_from_cache(self.model, cache, ctx, q, max_new_tokens=self.config.max_new_tokens,
+        ids = answer_from_cache(self.model, cache, ctx, q, max_new_tokens=self._max_new_tokens(sample),
                                 do_sample=False, pad_token_id=self.tok.pad_token_id)
         return self.tok.decode(ids[0], skip_special_tokens=True), time.perf_counter() - t0
 
-    def _answer_batch(self, cache, ctx, q, rows: int) -> tuple[list[str], float]:
+    def _answer_batch(self, cache, ctx, q, rows: int, sample) -> tuple[list[str], float]:
         t0 = time.perf_counter()
         ids = answer_from_cache(self.model, cache, ctx.expand(rows, -1), q.expand(rows, -1),
-                                max_new_tokens=self.config.max_new_tokens, do_sample=False,
+                                max_new_tokens=self._max_new_tokens(sample), do_sample=False,
                                 pad_token_id=self.tok.pad_token_id)
         return self.tok.batch_decode(ids, skip_special_tokens=True), time.perf_counter() - t0
 
-    def _generate(self, cache, ctx, q) -> tuple[str, float]:
+    def _generate(self, cache, ctx, q, sample) -> tuple[str, float]:
         ids = torch.cat([ctx, q], 1)
         t0 = time.perf_counter()
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **with_cache(cache),
-                                  max_new_tokens=self.config.max_new_tokens, do_sample=False,
+                                  max_new_tokens=self._max_new_tokens(sample), do_sample=False,
                                   pad_token_id=self.tok.pad_token_id)
         return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), time.perf_counter() - t0
 
@@ -249,37 +268,38 @@ class Harness:
             self.model(input_ids=ctx, **with_cache(cache), use_cache=True, logits_to_keep=1)
         return cache, time.perf_counter() - t0
 
-    def run(self) -> Path:
+    def run(self, report: bool = True) -> Path:
+        """Run the records not written yet (in :attr:`results_path` or :attr:`done_elsewhere`); then, if
+        ``report``, write ``results.md`` and ``accuracy.png``. Returns the output directory."""
         cfg = self.config
         mapper = self.options.mapper
         options = {"mapper": mapper if mapper is None or isinstance(mapper, (str, os.PathLike)) else
                    f"a {type(mapper).__name__} in memory", **self.options.fields}  # the scorers' options
-        done = self._done()
+        done = self._done() | self.done_elsewhere
         units = [(t, n) for t in cfg.tasks for n in cfg.context_lengths]
         indices = range(cfg.shard_index, cfg.n_samples, cfg.num_shards)
         samples = {(t, n): dict(zip(indices, task_lib.generate(t, cfg.n_samples, n, self.tok, cfg.seed,
                                                                  indices=indices))) for t, n in units}
-        self.out.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves nothing behind
-        (self.out / "config.json").write_text(json.dumps({"config": asdict(cfg), "options": options,
-                                                          "env": environment(self.model)}, indent=2, default=str))
-        bar = tqdm(total=len(units) * len(indices) * len(cfg.methods), desc="eval", unit="run")
+        self.records.mkdir(parents=True, exist_ok=True)  # only now: a run refused above leaves nothing behind
+        write_whole(self.records / "config.json", json.dumps({"config": asdict(cfg), "options": options,
+                                                             "env": environment(self.model)}, indent=2, default=str))
+        bar = tqdm(total=len(units) * len(indices) * len(cfg.methods), unit="run",
+                   desc="eval" if cfg.num_shards == 1 else f"eval {cfg.shard_index}/{cfg.num_shards}")
         with self.results_path.open("a") as log:
             for idx in indices:  # sample by sample across tasks: a stopped run leaves every task covered
                 for task, length in units:
                     self._run_sample(task, length, idx, samples[task, length][idx], done, log, bar)
         bar.close()
-        from .report import write_report
+        if report:
+            from .report import write_report
 
-        write_report(self.out)
+            write_report(self.out)
         return self.out
 
     def _todo(self, task, length, idx, method, done) -> list[tuple[str, str, float]]:
         """``(budget, label, keep ratio)`` of ``method`` on this sample not in ``results.jsonl`` yet."""
-        cfg = self.config
-        ratios = [1.0] if method == "full" else cfg.keep_ratios
-        variants = [("uniform", method)] if method == "full" else \
-            [(b, method if b == "uniform" else f"{method}@{b}") for b in cfg.budgets]
-        return [(b, label, r) for b, label in variants for r in ratios if (task, length, idx, label, r) not in done]
+        return [(b, label, r) for b, label, r in method_runs(self.config, method)
+                if (task, length, idx, label, r) not in done]
 
     def _run_sample(self, task, length, idx, sample, done, log, bar) -> None:
         cfg = self.config
@@ -318,7 +338,7 @@ class Harness:
         scorer = self.scorers[method]
         for budget, label, ratio in todo:
             cache = ProxyKVCache(scorer.fresh() if scorer is not None else None, keep_ratio=ratio, budget=budget)
-            pred, t_answer = self._generate(cache, ctx, q)
+            pred, t_answer = self._generate(cache, ctx, q, sample)
             _write(log, self._record(task, length, idx, sample, label, ratio, pred, ctx, entry_bytes(cache),
                                      prefill_s=0.0, answer_s=t_answer))
 
@@ -328,6 +348,23 @@ class Harness:
                 "score": score_sample(sample, pred), "prediction": pred, "answers": sample.answers,
                 "n_tokens": int(ctx.shape[1]), "kv_bytes": kv_bytes, "seed": cfg.seed, "protocol": cfg.protocol,
                 "prefill_s": round(prefill_s, 4), "answer_s": round(answer_s, 4)}
+
+
+def method_runs(cfg: EvalConfig, method: str) -> list[tuple[str, str, float]]:
+    """``(budget, label, keep ratio)`` of each record ``method`` writes per sample, in the order they are written:
+    the full cache once at 1.0; any other method at each keep ratio under each budget (``<method>@global``)."""
+    ratios = [1.0] if method == "full" else cfg.keep_ratios
+    variants = [("uniform", method)] if method == "full" else \
+        [(b, method if b == "uniform" else f"{method}@{b}") for b in cfg.budgets]
+    return [(b, label, r) for b, label in variants for r in ratios]
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed over it: readers (other processes checking ``--out``)
+    see the old file or the new one, never half of it."""
+    part = path.with_name(path.name + ".tmp")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _write(log, rec: dict) -> None:
@@ -360,7 +397,7 @@ class _MethodRun:
         batch = [r for b, _, r in todo if b == "uniform"] if self.method != "full" else []
         if cfg.batched and len(batch) > 1:
             cache = compacted_batch(self.base, batch, scorer=self.scorer, scores=self.scores)
-            texts, t = h._answer_batch(cache, ctx, q, len(batch))
+            texts, t = h._answer_batch(cache, ctx, q, len(batch), self.sample)
             preds.update({("uniform", r): (text, t / len(batch), len(batch), entry_bytes(cache, j))
                           for j, (r, text) in enumerate(zip(batch, texts))})
         valid = torch.ones(1, ctx.shape[1], dtype=torch.bool)
@@ -370,7 +407,7 @@ class _MethodRun:
             else:
                 cache = self.base if self.method == "full" else \
                     compacted_copy(self.base, ratio, budget, scorer=self.scorer, scores=self.scores)
-                (pred, t_answer), rows, kv_bytes = h._answer(cache, ctx, q), None, entry_bytes(cache)
+                (pred, t_answer), rows, kv_bytes = h._answer(cache, ctx, q, self.sample), None, entry_bytes(cache)
             rec = h._record(self.task, self.length, self.idx, self.sample, label, ratio, pred, ctx, kv_bytes,
                             prefill_s=self.prefill_s, answer_s=t_answer)
             if rows:

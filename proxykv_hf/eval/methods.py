@@ -14,14 +14,15 @@ from dataclasses import replace
 
 import torch
 
-from ..cache import ProxyKVCache
-from ..layer import ProxyKVLayer
-from ..pipeline import compress_context
+from ..cache.budget import PromptBudget
+from ..cache.proxykv_cache import ProxyKVCache
+from ..cache.layer import ProxyKVLayer
+from ..contexts.pipeline import compress_context
 from ..scorers import registry
 from ..scorers.base import BackgroundScorer, LayerInputs, LayerScorer, Prompt
 from ..scorers.registry import ScorerContext
-from ..scoring import CHUNK_SIZE
-from ..selection import keep_counts
+from ..attention.statistics import CHUNK_SIZE
+from ..cache.selection import keep_counts
 
 METHODS = tuple(registry.names())
 """Method names registered when this module was imported (``registry.names()`` is the live list). ``attn_sum`` /
@@ -54,9 +55,21 @@ class RecordingCache(ProxyKVCache):
     def _keeps_everything(self) -> bool:
         return self.scorer is None  # score even though keep_ratio is 1
 
-    def select(self, layer_idx: int, scores: torch.Tensor) -> None:
-        self.scores[layer_idx] = scores.detach().float().cpu()
+    def prompt_budget(self, rows: torch.Tensor | None = None) -> PromptBudget:
+        return _Recorder(self)
+
+
+class _Recorder(PromptBudget):
+    """A recording cache's budget: each layer's scores are recorded, and the layer keeps every entry."""
+
+    def __init__(self, cache: RecordingCache):
+        super().__init__(cache.layers, cache.compactable_layers(), cache.prompt.valid, 1.0)
+        self.record = cache.scores
+
+    def scored(self, layer_idx: int, scores: torch.Tensor) -> bool:
+        self.record[layer_idx] = scores.detach().float().cpu()
         self.layers[layer_idx].compact(None)
+        return self.done()
 
 
 def record_scores(model, scorer, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> RecordingCache:
@@ -161,9 +174,9 @@ def compacted_copy(recorded: RecordingCache, keep_ratio: float, budget: str = "u
     new.layer_class_to_replicate = None
     new.layers = _twin_layers(recorded)
     new.prompt, new.conversation = recorded.prompt, copy.copy(recorded.conversation)
-    new._budgets = keep_counts(recorded.prompt.valid.sum(-1), keep_ratio, new.n_sink + new.n_recent).cpu()
+    budget = new.prompt_budget()
     for i in sorted(scores):  # the live cache's own selection (uniform or global)
-        new.select(i, scores[i])
+        budget.scored(i, scores[i])
     return new
 
 
@@ -190,9 +203,9 @@ def compacted_batch(recorded: RecordingCache, keep_ratios: list[float], *, score
     new.conversation = copy.copy(recorded.conversation)
     new.conversation.select_rows(torch.zeros(rows, dtype=torch.long))
     n_real = prompt.valid.sum(-1)
-    new._budgets = torch.cat([keep_counts(n_real, r, new.n_sink + new.n_recent).cpu() for r in keep_ratios])
+    budget = new.prompt_budget(rows=torch.cat([keep_counts(n_real, r, new.n_sink + new.n_recent) for r in keep_ratios]))
     for i in sorted(scores):
-        new.select(i, scores[i].expand(rows, -1, -1))
+        budget.scored(i, scores[i].expand(rows, -1, -1))
     return new
 
 

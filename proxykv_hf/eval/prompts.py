@@ -1,11 +1,11 @@
 """Chat-formatted prompts of task samples, split token-exactly into a context part and a question part (the split
-itself: :mod:`proxykv_hf.chat_prompt`)."""
+itself: :mod:`proxykv_hf.contexts.chat_prompt`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..chat_prompt import _chat_text, encode_chat_prompt, split_chat_prompt
+from ..contexts.chat_prompt import _chat_text, encode_chat_prompt, split_chat_prompt
 
 if TYPE_CHECKING:
     from .haystack import Sample

@@ -3,7 +3,9 @@
 * ``train``: what ``proxykv build-data --split train`` may draw texts from (generator seeds below
   :data:`TRAIN_SEED_LIMIT`);
 * ``dev``: what every choice is made on (checkpoint, epochs, mapper size, features, pooling, any threshold);
-* ``test``: only reported, never used to choose anything.
+* ``test``: only reported, never used to choose anything;
+* ``ruler``: RULER's 11 synthetic tasks as a benchmark (:mod:`proxykv_hf.eval.ruler`), reported beside other RULER
+  boards, never chosen on, from seeds of their own.
 
 The splits never share a corpus (:mod:`proxykv_hf.eval.corpora` gives each corpus one split) or a generator seed.
 The test split holds task families that neither train nor dev has (``vt``, ``qa``, ``letter``) and haystacks from
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import corpora
+from .ruler.templates import NAMES as _RULER_NAMES, PREFIX as _RULER_PREFIX
 from .tasks import family_of, task_fn
 
 TRAIN_SEED_LIMIT = 1_000_000
@@ -32,7 +35,7 @@ class Split:
     """One split of the protocol.
 
     Attributes:
-        name: ``"train"``, ``"dev"`` or ``"test"``.
+        name: ``"train"``, ``"dev"``, ``"test"`` or ``"ruler"``.
         tasks: its task names (RULER generators or ``"family:corpus"``).
         seed: the generators' base seed for this split's samples.
         purpose: one line on what it is for.
@@ -50,6 +53,20 @@ class Split:
     @property
     def corpora(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(t.partition(":")[2] for t in self.tasks if ":" in t))
+
+    def select(self, names) -> list[str]:
+        """The split's tasks that ``names`` name, in the given order (RULER's own names, ``vt``, for the ``ruler``
+        split's ``ruler_vt``); all of them when ``names`` is empty. ``ValueError`` for a task outside the split."""
+        if not names:
+            return list(self.tasks)
+        chosen = []
+        for name in names:
+            task = name if name in self.tasks else _RULER_PREFIX + name
+            if task not in self.tasks:
+                shown = [t.removeprefix(_RULER_PREFIX) for t in self.tasks]
+                raise ValueError(f"task {name!r} is not in the {self.name!r} split; choose from {', '.join(shown)}")
+            chosen.append(task)
+        return list(dict.fromkeys(chosen))
 
 
 _RULER_TRAIN = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
@@ -71,6 +88,9 @@ SPLITS: dict[str, Split] = {
         tasks=("letter:everyday-test", "needle:manpages", "multikey:perl", "multivalue:manpages", "vt:perl",
                "qa:manpages"),
         seed=2_000_003, purpose="reported only, never used to choose anything"),
+    "ruler": Split(
+        name="ruler", tasks=tuple(_RULER_PREFIX + name for name in _RULER_NAMES), seed=3_000_003,
+        purpose="RULER as a benchmark: reported beside other RULER boards, never chosen on"),
 }
 
 
@@ -82,7 +102,10 @@ def get_split(name: str) -> Split:
 
 
 def split_of_task(task: str) -> str | None:
-    """The split whose corpus ``task`` draws from; None for a RULER generator (its split is set by the seed)."""
+    """The split whose corpus ``task`` draws from; ``"ruler"`` for a task of the RULER benchmark; None for a
+    RULER-style generator (its split is set by the seed)."""
+    if task.startswith(_RULER_PREFIX):
+        return "ruler"
     corpus = task.partition(":")[2]
     return corpora.CORPORA[corpus].split if corpus else None
 
@@ -102,6 +125,9 @@ def check_training_tasks(tasks, seed: int) -> None:
     for task in tasks:
         task_fn(task)
         owner = split_of_task(task)
+        if owner == "ruler":
+            raise ValueError(f"task {task!r} is the RULER benchmark's, reported only; training may use RULER-style "
+                             f"generators ({', '.join(_RULER_NAMES[:2])}, ...) and train corpora")
         if owner not in (None, "train"):
             raise ValueError(f"task {task!r} draws from the {owner!r} corpus {task.partition(':')[2]!r}; training "
                              f"may use only train corpora ({', '.join(SPLITS['train'].corpora)})")

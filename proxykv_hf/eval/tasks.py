@@ -71,9 +71,14 @@ def generate(task: str, n_samples: int, target_tokens: int, tokenizer: Any, seed
         indices: only the samples of these indices, in this order (each in ``range(n_samples)``); all by default.
 
     Raises:
-        ValueError: an unknown task, a bad count or index, or a target too short for the task's fixed parts.
+        ValueError: an unknown task, a bad count or index, a target too short for the task's fixed parts, or a
+            RULER benchmark task with a seed outside its range.
     """
     make = task_fn(task)
+    if task.startswith("ruler_"):  # the RULER benchmark (proxykv_hf.eval.ruler): its own seed range only
+        from .ruler.registry import check_seed
+
+        check_seed(seed)
     if not isinstance(n_samples, int) or n_samples < 0:
         raise ValueError(f"n_samples must be an int >= 0, got {n_samples!r}")
     if not isinstance(target_tokens, int) or target_tokens < 1:
@@ -313,11 +318,16 @@ TASK_FAMILIES: dict[str, tuple[str, ...]] = {
 
 
 def task_fn(task: str) -> TaskFn:
-    """The generator of ``task``: a key of :data:`TASKS`, or ``"family:corpus"`` for a task over real text
-    (:mod:`proxykv_hf.eval.realtext`, :mod:`proxykv_hf.eval.letters`); ``ValueError`` for anything else (and for
-    the ``letter`` family over a corpus outside the test split)."""
+    """The generator of ``task``: a key of :data:`TASKS`, a RULER benchmark task (``"ruler_vt"``,
+    :mod:`proxykv_hf.eval.ruler`), or ``"family:corpus"`` for a task over real text (:mod:`proxykv_hf.eval.realtext`,
+    :mod:`proxykv_hf.eval.letters`); ``ValueError`` for anything else (and for the ``letter`` family over a corpus
+    outside the test split)."""
     if task in TASKS:
         return TASKS[task]
+    if task.startswith("ruler_"):
+        from .ruler import registry
+
+        return registry.task_fn(task)
     family, _, corpus = task.partition(":")
     from . import corpora, letters, realtext
 

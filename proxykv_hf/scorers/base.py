@@ -1,7 +1,7 @@
 """What every scorer receives and returns.
 
 A scorer turns a prefill into importance scores `(B, H_kv, T)` per compacted layer, higher = keep (see
-:mod:`proxykv_hf.selection`). Three kinds, one base class each; the cache asks which one a scorer is and nothing
+:mod:`proxykv_hf.cache.selection`). Three kinds, one base class each; the cache asks which one a scorer is and nothing
 else:
 
 * :class:`LayerScorer` (SnapKV, StreamingLLM, the attention statistics): :meth:`LayerScorer.score` runs right after
@@ -23,13 +23,14 @@ eval``, ``bench``, ``demo`` and ``generate`` (docs/design.md, "Adding a scorer")
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from ..fingerprints import weights_digest
-from ..scoring import CHUNK_SIZE, attention_sums
+from ..models.fingerprints import weights_digest
+from ..attention.statistics import CHUNK_SIZE, attention_sums
 
 
 @dataclass
@@ -67,9 +68,10 @@ class LayerInputs:
         prompt: the :class:`Prompt`.
         compact_index: position of this layer among the compacted (full-attention) layers.
         statistics: for a :class:`LayerScorer` with ``statistics``, those statistics of the layer's attention
-            `(B, S * H, T)` when the cache computed them in the attention's own pass (:func:`~proxykv_hf.scoring.attention_sums` of
-            ``queries`` over ``keys``, no group reduction, padding queries weighted 0); after a chunked prefill,
-            what :meth:`LayerScorer.chunk_statistics` gathered over every chunk; None otherwise.
+            `(B, S * H, T)` when the cache computed them in the attention's own pass
+            (:func:`~proxykv_hf.attention.statistics.attention_sums` of ``queries`` over ``keys``, no group reduction,
+            padding queries weighted 0); after a chunked prefill, what :meth:`LayerScorer.chunk_statistics` gathered
+            over every chunk; None otherwise.
     """
 
     layer_idx: int
@@ -141,7 +143,8 @@ class Scorer:
 
     def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
         """Each layer's scores made comparable across layers and heads, for the global budget
-        (:func:`~proxykv_hf.selection.select_global`); ``valid`` `(B, T)` marks real tokens. Default: as they are."""
+        (:func:`~proxykv_hf.cache.selection.select_global`); ``valid`` `(B, T)` marks real tokens. Default: as they
+        are."""
         return scores
 
 
@@ -149,7 +152,7 @@ class LayerScorer(Scorer):
     """Scores one layer at a time, right after its prefill attention.
 
     Attributes:
-        statistics: names from :data:`~proxykv_hf.scoring.STATISTICS` of the layer's own attention that
+        statistics: names from :data:`~proxykv_hf.attention.statistics.STATISTICS` of the layer's own attention that
             :meth:`score` reads; the cache may compute them with the attention output in one pass and hand them
             over as ``inputs.statistics``.
     """
@@ -169,8 +172,9 @@ class LayerScorer(Scorer):
         """What :meth:`score` reads from the prompt's queries, for one chunk of a chunked prefill (``inputs``: the
         chunk's queries over the keys up to its end): `(B, X, T_c)`, summed or maximised over the chunks by
         :meth:`merge_statistics` and handed to :meth:`score` as ``inputs.statistics``. None: nothing from this
-        chunk. Default: the layer's :attr:`statistics` (:func:`~proxykv_hf.scoring.attention_sums`); a scorer
-        that reads ``inputs.queries`` otherwise overrides it (else it would see only the last chunk's queries)."""
+        chunk. Default: the layer's :attr:`statistics` (:func:`~proxykv_hf.attention.statistics.attention_sums`); a
+        scorer that reads ``inputs.queries`` otherwise overrides it (else it would see only the last chunk's
+        queries)."""
         wanted = self.statistics_for(inputs.compact_index)
         if not wanted:
             return None
@@ -199,6 +203,14 @@ class ModelScorer(Scorer):
     def score_all(self, prompt: Prompt, cache) -> dict[int, torch.Tensor]:
         """Scores `(B, H_kv, T)` for every compacted layer index of ``cache`` (``cache.compactable_layers()``)."""
         raise NotImplementedError(f"{type(self).__name__}.score_all")
+
+
+def chunk_size_spelling(owner: Scorer, chunk_size: int | None) -> None:
+    """``chunk_size=``, the 0.1.0 spelling of ``context_chunk=``: still accepted, with a ``FutureWarning``."""
+    if chunk_size is not None:
+        warnings.warn(f"{type(owner).__name__}(chunk_size=...) is deprecated; use context_chunk=...", FutureWarning,
+                      stacklevel=4)
+        owner.context_chunk = chunk_size
 
 
 _SKIP = object()

@@ -18,11 +18,10 @@ from dataclasses import InitVar, dataclass, field, replace
 
 import torch
 
-from .._fields import renamed_option
-from ..mapper_config import layer_pairing
-from ..proxy import every_kth_layer, layer_subset
-from .base import LayerInputs, LayerScorer, Prompt
-from ..model_layout import full_attention_layers
+from ..mapper.config import layer_pairing
+from ..mapper.proxy import every_kth_layer, layer_subset
+from .base import LayerInputs, LayerScorer, Prompt, chunk_size_spelling
+from ..models.layout import full_attention_layers
 from .kvzip import N_SINK, kvzip_scores
 
 
@@ -48,7 +47,7 @@ class KVzipIAMScorer(LayerScorer):
         head_map: ``[target layer][target KV head] -> proxy KV head``, as :meth:`calibrate` sets it; None: the
             default.
 
-    ``tokenizer`` may be given by position; ``chunk_size=`` is the deprecated spelling of ``context_chunk``.
+    ``tokenizer`` may be given by position.
     """
 
     needs_input_ids = True
@@ -60,14 +59,13 @@ class KVzipIAMScorer(LayerScorer):
     n_sink: int = N_SINK
     layer_map: list[int] | None = None
     head_map: list[list[int]] | None = None
-    chunk_size: InitVar[int | None] = None
+    chunk_size: InitVar[int | None] = None  # the deprecated spelling of context_chunk
     _scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     # (layer_map, head_map) as prepare() filled them in: the default alignment, not a setting
     _filled: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self, chunk_size: int | None):
-        self.context_chunk = renamed_option(self.context_chunk, chunk_size, "KVzipIAMScorer", "chunk_size",
-                                            "context_chunk")
+    def __post_init__(self, chunk_size: int | None = None):
+        chunk_size_spelling(self, chunk_size)
         if self.proxy is not None and not isinstance(self.proxy, torch.nn.Module):
             raise ValueError(f"proxy must be a loaded model or None, got {type(self.proxy).__name__}")
 
@@ -111,8 +109,9 @@ class KVzipIAMScorer(LayerScorer):
     def calibrate(self, target, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> "KVzipIAMScorer":
         """Fix the alignment from calibration prompts: KVzip on target and proxy, best-correlated layer and head."""
-        y_t = kvzip_scores(target, input_ids, attention_mask, tokenizer=self.tokenizer, context_chunk=self.context_chunk,
-                           n_sink=self.n_sink)[full_attention_layers(target)]  # (L_t, B, H_t, T)
+        y_t = kvzip_scores(target, input_ids, attention_mask, tokenizer=self.tokenizer,
+                           context_chunk=self.context_chunk, n_sink=self.n_sink)
+        y_t = y_t[full_attention_layers(target)]  # (L_t, B, H_t, T)
         y_s = self.proxy_scores(target, input_ids, attention_mask).to(y_t.device)  # (L_s, B, H_s, T)
         a = y_t[:, None, :, :, None, :]  # (L_t, 1, B, H_t, 1, T)
         b = y_s[None, :, :, None, :, :]  # (1, L_s, B, 1, H_s, T)

@@ -24,7 +24,7 @@ Differences from kvpress's ``KVzipPress`` (and the reference, which kvpress foll
   sink keys are kvpress's first ``n_sink`` tokens (the reference uses its whole system prompt);
 * softmax in float32 (``dtype`` changes it); kvpress and the reference use the model dtype (bf16). On a GPU with
   Triton the float32 softmax of every chunk whose columns are all real runs in the fused kernels of
-  :mod:`proxykv_hf.kernels` (the model's own q and k in the tensor cores, float32 accumulation), never writing
+  :mod:`proxykv_hf.attention.kernels` (the model's own q and k in the tensor cores, float32 accumulation), never writing
   the probabilities;
 * the softmax scale is the layer's own ``scaling`` (``1/sqrt(D)`` except Gemma3's ``query_pre_attn_scalar``);
   kvpress always uses ``1/sqrt(D)``;
@@ -48,11 +48,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .. import attention, kernels
-from .._fields import renamed_option
-from ..compat import with_cache
-from ..model_layout import full_attention_layers
-from .base import ModelScorer, Prompt
+from ..attention import wrapper as attention, kernels
+from ..attention.compat import with_cache
+from ..models.layout import full_attention_layers
+from .base import ModelScorer, Prompt, chunk_size_spelling
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +101,11 @@ class KVzipScorer(ModelScorer):
     chunk_size: InitVar[int | None] = None
     _templates: dict[int, tuple] = field(default_factory=dict, init=False, repr=False, compare=False)  # by tokenizer
 
-    def __post_init__(self, chunk_size: int | None):
+    def __post_init__(self, chunk_size: int | None = None):
+        chunk_size_spelling(self, chunk_size)
         tok = self.tokenizer
         if tok is not None and not (hasattr(tok, "encode") and hasattr(tok, "apply_chat_template")):
             raise ValueError(f"tokenizer must be a transformers tokenizer or None, got {type(tok).__name__}")
-        self.context_chunk = renamed_option(self.context_chunk, chunk_size, "KVzipScorer", "chunk_size",
-                                            "context_chunk")
         for name, low in (("context_chunk", 1), ("prev_postfix_size", 0), ("n_sink", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -125,7 +123,7 @@ class KVzipScorer(ModelScorer):
         if not name:
             raise ValueError("KVzipScorer needs a tokenizer: pass KVzipScorer(tokenizer) (the model has no "
                              "name_or_path to load one from)")
-        from ..models import load_tokenizer  # resolves the bundled default's name to its converted directory
+        from ..models.loading import load_tokenizer  # resolves the bundled default's name to its converted directory
 
         try:
             self.tokenizer = load_tokenizer(name, local_files_only=True)
@@ -239,7 +237,8 @@ class KVzipScorer(ModelScorer):
                 row_idx = torch.tensor(rows, device=device)
                 record = _ChunkRecorder(
                     T=T, n_sink=min(self.n_sink, c * self.context_chunk), pad=pad[row_idx],
-                    starts=pad[row_idx] + c * self.context_chunk, rep_valid=rep_valid, dtype=self.dtype or torch.float32,
+                    starts=pad[row_idx] + c * self.context_chunk, rep_valid=rep_valid,
+                    dtype=self.dtype or torch.float32,
                     lengths=torch.tensor([e - s for s, e, _ in chunks], device=device),
                 )
                 temp = _RepeatCache(context_layers, None if len(rows) == B else row_idx, T,

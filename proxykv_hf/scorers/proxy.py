@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..fingerprints import weights_digest
-from ..proxy import check_self_layers, decoder_of, proxy_features
-from ..model_layout import full_attention_layers
-from ..scoring import CHUNK_SIZE, FusedStatistics, attention_sums
+from ..models.fingerprints import weights_digest
+from ..mapper.proxy import check_self_layers, decoder_of, proxy_features
+from ..models.layout import full_attention_layers
+from ..attention.statistics import CHUNK_SIZE, FusedStatistics, attention_sums
 from .base import BackgroundScorer, LayerInputs, Prompt
 
 if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint
+    from ..mapper.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def _cpu_has_bfloat16() -> bool:
 
 @dataclass(kw_only=True)
 class ProxyScorer(BackgroundScorer):
-    """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.checkpoint`), ranked as the mapper gives them (also
-    across layers and heads under the global budget: its logits are trained on KVzip's raw scores).
+    """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.mapper.checkpoint`), ranked as the mapper gives
+    them (also across layers and heads under the global budget: its logits are trained on KVzip's raw scores).
 
     Two algorithms, one subclass each: :class:`SeparateProxyScorer` runs a proxy (a separate small model, or a subset
     of the target's layers) and the mapper beside the target's prefill; :class:`SelfProxyScorer` maps the target's
@@ -69,7 +69,7 @@ class ProxyScorer(BackgroundScorer):
     autocast (``mapper_autocast``, :func:`bfloat16_is_fast`); its logits come back in float32.
 
     Attributes:
-        checkpoint: a loaded :class:`~proxykv_hf.checkpoint.Checkpoint` (may be given by position).
+        checkpoint: a loaded :class:`~proxykv_hf.mapper.checkpoint.Checkpoint` (may be given by position).
         proxy_model: the proxy model for kind ``"model"`` checkpoints (:meth:`from_pretrained` loads it).
         proxy_device: where the proxy and mapper run (e.g. ``"cuda:1"``); default: the target's device.
         chunk_size: queries per chunk in the attention accumulation (PyTorch path).
@@ -81,7 +81,7 @@ class ProxyScorer(BackgroundScorer):
             compacted layer's stream waits on the proxy's event and every layer is compacted as soon as its
             attention has run. A self proxy has no side work to overlap.
         fused: how a ``"self"`` proxy's statistics come with the attention (the cache's own
-            :class:`~proxykv_hf.scoring.FusedStatistics` is used where the cache computes them).
+            :class:`~proxykv_hf.attention.statistics.FusedStatistics` is used where the cache computes them).
         compile_mapper: compile the mapper's time encoder with ``torch.compile`` (its forward, in place on the
             checkpoint's mapper, so every scorer sharing that checkpoint runs it compiled; the weights and the state
             dict stay as they are). On a GPU it fuses the encoder's element-wise work (docs/performance.md); the
@@ -133,20 +133,20 @@ class ProxyScorer(BackgroundScorer):
     def from_pretrained(cls, name_or_path, *, proxy=None, proxy_device=None, revision: str | None = None,
                         cache_dir=None, token=None, local_files_only: bool | None = None, **kwargs) -> "ProxyScorer":
         """The scorer of a trained mapper checkpoint: a local directory, a Hub repository id, or a
-        :class:`~proxykv_hf.checkpoint.Checkpoint` already in memory (used as it is, moved to ``proxy_device`` if
+        :class:`~proxykv_hf.mapper.checkpoint.Checkpoint` already in memory (used as it is, moved to ``proxy_device`` if
         given).
 
         Args:
             name_or_path: checkpoint directory or Hub id (``huggingface_hub``; ``HF_HUB_OFFLINE`` honoured), or a
-                :class:`~proxykv_hf.checkpoint.Checkpoint`.
+                :class:`~proxykv_hf.mapper.checkpoint.Checkpoint`.
             proxy: an already loaded proxy model for checkpoints whose proxy is a separate model (else it is loaded
                 from the id the checkpoint names).
             proxy_device: device for the proxy and the mapper (e.g. ``"cuda:1"``); default: the target's.
             revision, cache_dir, token, local_files_only: passed to ``huggingface_hub.snapshot_download``.
             **kwargs: the constructor's options (``chunk_size``, ``overlap``, ``mapper_autocast``, ...).
         """
-        from ..checkpoint import Checkpoint
-        from ..hub import load_checkpoint
+        from ..mapper.checkpoint import Checkpoint
+        from ..mapper.hub import load_checkpoint
 
         if isinstance(name_or_path, Checkpoint):
             ckpt = name_or_path if proxy_device is None else name_or_path.to(proxy_device)
@@ -158,7 +158,7 @@ class ProxyScorer(BackgroundScorer):
                              f"attention (proxy kind {ckpt.proxy.kind!r}) and uses no separate proxy model: leave "
                              "proxy= out")
         if ckpt.proxy.kind == "model" and proxy is None:
-            from ..models import load_model
+            from ..models.loading import load_model
 
             proxy = load_model(ckpt.proxy.model_id, device=proxy_device or "cpu")
         if proxy is not None and ckpt.proxy.kind == "model":
@@ -171,13 +171,13 @@ class ProxyScorer(BackgroundScorer):
 
     @property
     def spec(self):
-        """The checkpoint's :class:`~proxykv_hf.proxy.ProxySpec`: what the mapper reads."""
+        """The checkpoint's :class:`~proxykv_hf.mapper.proxy.ProxySpec`: what the mapper reads."""
         return self.checkpoint.proxy
 
     @property
     def mapper(self):
         """The checkpoint's (first) mapper; a checkpoint of several mappers scores some layers with others
-        (:meth:`~proxykv_hf.checkpoint.Checkpoint.mapper_for`)."""
+        (:meth:`~proxykv_hf.mapper.checkpoint.Checkpoint.mapper_for`)."""
         return self.checkpoint.mapper
 
     def _fresh_state(self) -> dict:
@@ -213,7 +213,7 @@ class ProxyScorer(BackgroundScorer):
         Returns:
             the directory.
         """
-        from ..checkpoint import save_checkpoint
+        from ..mapper.checkpoint import save_checkpoint
 
         return save_checkpoint(self.checkpoint, directory)
 
@@ -221,7 +221,7 @@ class ProxyScorer(BackgroundScorer):
                     commit_message: str = "Upload ProxyKV mapper") -> str:
         """Upload the mapper checkpoint to the Hub repository ``repo_id`` (created if needed), as
         :meth:`save_pretrained` writes it; returns the commit URL."""
-        from ..hub import push_to_hub
+        from ..mapper.hub import push_to_hub
 
         return push_to_hub(self.checkpoint, repo_id, private=private, token=token,
                            commit_message=commit_message)
@@ -413,7 +413,7 @@ class SelfProxyScorer(ProxyScorer):
         """A self proxy's scores of compacted layer ``layer`` from the features of the proxy layer paired with it
         and, through the direct path, of the ones before it (``MapperConfig.direct_context``); the encoding of a
         proxy layer serves every target layer paired with it (and scored by the same mapper,
-        :meth:`~proxykv_hf.checkpoint.Checkpoint.mapper_for`). Drops the features no later layer reads."""
+        :meth:`~proxykv_hf.mapper.checkpoint.Checkpoint.mapper_for`). Drops the features no later layer reads."""
         mapper = self.checkpoint.mapper_for(layer)
         paired, *earlier = mapper.direct_layers(layer) if mapper.direct is not None else [mapper.pairing()[layer]]
         missing = [q for q in (paired, *earlier) if q not in self._features]

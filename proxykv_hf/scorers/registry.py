@@ -50,7 +50,8 @@ class ScorerContext:
     Attributes:
         model: the target model the scorer's cache will run on.
         tokenizer: the target's tokenizer (KVzip's repeat prompts).
-        mapper: ProxyKV mapper checkpoint: a directory, a Hub id, or a :class:`~proxykv_hf.checkpoint.Checkpoint` in
+        mapper: ProxyKV mapper checkpoint: a directory, a Hub id, or a
+        :class:`~proxykv_hf.mapper.checkpoint.Checkpoint` in
             memory (e.g. a random one for ``--tiny``).
         proxy: a separate proxy model, loaded once: KVzip+IAM's, the ``proxy_*`` methods', and ProxyKV's where its
             mapper reads a separate model (the other methods leave it alone).
@@ -201,8 +202,8 @@ def _entry(name: str) -> Entry:
 
 # ------------------------------------------------------------------------------------------------ built-in methods
 def _proxykv(ctx: ScorerContext) -> Scorer:
-    from ..checkpoint import Checkpoint
-    from ..hub import load_checkpoint
+    from ..mapper.checkpoint import Checkpoint
+    from ..mapper.hub import load_checkpoint
 
     if ctx.mapper is None:
         raise ValueError("method 'proxykv' needs a mapper checkpoint (--mapper)")

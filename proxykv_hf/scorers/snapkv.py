@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..scoring import attention_sums
-from ..selection import check_kernel_size, smooth_scores
+from ..attention.statistics import attention_sums
+from ..cache.selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, LayerScorer, merge_statistics
 
 

@@ -10,14 +10,13 @@ token copied from earlier text scores low, one with nothing to copy from scores 
 
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .._fields import renamed_option
-from ..mapper_config import layer_pairing
-from ..scoring import CHUNK_SIZE, attention_sums, check_statistics
-from ..selection import check_kernel_size, smooth_scores
+from ..mapper.config import layer_pairing
+from ..attention.statistics import CHUNK_SIZE, attention_sums, check_statistics
+from ..cache.selection import check_kernel_size, smooth_scores
 from .base import LayerInputs, LayerScorer, Prompt
 
 GROUP_REDUCTIONS = ("max", "mean")
@@ -31,7 +30,7 @@ class AttentionStatisticScorer(LayerScorer):
     ``"max"`` as KVzip does) and optionally pooled along the keys (``kernel_size``, as SnapKV's).
 
     Attributes:
-        statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (see :func:`~proxykv_hf.scoring.attention_sums`;
+        statistic: ``"sum"``, ``"max"`` or ``"lookback"`` (see :func:`~proxykv_hf.attention.statistics.attention_sums`;
             ``"lookback"`` scores ``1 - lookback``, the token's novelty).
         group_reduce: ``"max"`` or ``"mean"`` over the query heads of a KV head.
         kernel_size: lift each score to the mean of this many tokens around it where that is higher (odd; 1 = off).
@@ -39,7 +38,7 @@ class AttentionStatisticScorer(LayerScorer):
         chunk_size: queries per chunk when the statistic is not handed over by the cache.
         statistics: what the cache hands over, ``(statistic,)`` (set from ``statistic``).
 
-    ``statistic`` may be given by position; ``pool_kernel=`` is the deprecated spelling of ``kernel_size``.
+    ``statistic`` may be given by position.
     """
 
     statistic: str = field(default="max", kw_only=False)
@@ -47,18 +46,15 @@ class AttentionStatisticScorer(LayerScorer):
     kernel_size: int = 1
     n_sink: int = 4
     chunk_size: int = CHUNK_SIZE
-    pool_kernel: InitVar[int | None] = None
     statistics: tuple[str, ...] = field(init=False)
 
-    def __post_init__(self, pool_kernel: int | None):
+    def __post_init__(self):
         (self.statistic,) = check_statistics((self.statistic,))
         if self.group_reduce not in GROUP_REDUCTIONS:
             raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {self.group_reduce!r}")
         if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
             raise ValueError(f"n_sink must be an int >= 0, got {self.n_sink!r}")
-        kernel_size = renamed_option(self.kernel_size, pool_kernel, "AttentionStatisticScorer", "pool_kernel",
-                                     "kernel_size")
-        self.kernel_size = check_kernel_size(kernel_size, "kernel_size")
+        self.kernel_size = check_kernel_size(self.kernel_size, "kernel_size")
         self.statistics = (self.statistic,)
 
     @torch.no_grad()
@@ -124,8 +120,8 @@ class ProxyStatisticScorer(LayerScorer):
 
     @torch.no_grad()
     def prepare(self, prompt: Prompt) -> None:
-        from ..model_layout import full_attention_layers
-        from ..proxy import proxy_features
+        from ..models.layout import full_attention_layers
+        from ..mapper.proxy import proxy_features
 
         target, ids = prompt.model, prompt.input_ids
         if ids is None:

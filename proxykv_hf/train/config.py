@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._fields import check_known_fields
-from ..scoring import check_statistics
+from ..mapper._fields import check_known_fields
+from ..attention.statistics import check_statistics
 from .losses import LossConfig
 
 __all__ = ["MIXED_PRECISION", "TrainConfig"]
@@ -52,14 +52,14 @@ class TrainConfig:
             validation always scores every layer, or every one of ``target_layers``); None = all layers.
         target_layers: train and validate on these target layers alone (0-based), e.g. a mapper meant to score
             some layers of a checkpoint whose layers are scored by several mappers
-            (:attr:`~proxykv_hf.checkpoint.Checkpoint.layer_mappers`); ``layers_per_step`` then draws among them.
+            (:attr:`~proxykv_hf.mapper.checkpoint.Checkpoint.layer_mappers`); ``layers_per_step`` then draws among them.
             None = all.
         statistics: train on these proxy statistics of the dataset (a subset, e.g. ``("sum",)`` of a sum+max
             dataset; :class:`~proxykv_hf.train.dataset.MapperDataset`); None = all it holds. The mapper config
             must read as many (:func:`~proxykv_hf.train.mapper_init.mapper_config_for` with the same ``statistics``).
         proxy_layers: train on these of the dataset's proxy layers (indices into them, increasing; a ``"self"``
             proxy's dataset only): the statistics are then computed on those target layers alone at inference
-            (:func:`~proxykv_hf.proxy.check_self_layers`); None = all. The mapper config must read as many
+            (:func:`~proxykv_hf.mapper.proxy.check_self_layers`); None = all. The mapper config must read as many
             (:func:`~proxykv_hf.train.mapper_init.mapper_config_for` with the same ``proxy_layers``).
         log_every: steps between ``"step"`` records of ``log.jsonl`` (each the mean over those steps).
         progress: tqdm bars (main process only).

@@ -97,7 +97,7 @@ def build_dataset(texts: Iterable[TextItem], target, tokenizer, out_dir: str | o
             for p in out.glob("shard-*.safetensors*"):
                 p.unlink()
             (out / MANIFEST_NAME).unlink()
-    if not (out / MANIFEST_NAME).exists():  # first: the directory is a dataset's from the start (proxykv_hf.out_dirs)
+    if not (out / MANIFEST_NAME).exists():  # first: a dataset's directory from the start (cli/out_dirs.py)
         manifest.save(out)
     done = set(manifest.done)
     writer = ShardWriter(out, manifest, config)

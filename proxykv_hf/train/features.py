@@ -10,9 +10,9 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..checkpoint import TargetSpec
-from ..proxy import ProxySpec, every_kth_layer, proxy_features
-from ..model_layout import full_attention_layers
+from ..mapper.checkpoint import TargetSpec
+from ..mapper.proxy import ProxySpec, every_kth_layer, proxy_features
+from ..models.layout import full_attention_layers
 from .manifest import DataConfig
 
 Oracle = Callable[..., Tensor]  # (model, input_ids, attention_mask=None, tokenizer=None, **kw) -> (L_l, B, H_kv, T)
@@ -80,7 +80,7 @@ def resolve_proxy(target, config: DataConfig, proxy=None, tokenizer=None):
     if proxy is None:
         if not config.proxy_model_id:
             raise ValueError("proxy_kind='model' needs a proxy model: pass proxy=... or set proxy_model_id")
-        from ..models import load_model
+        from ..models.loading import load_model
 
         proxy = load_model(config.proxy_model_id)
     model_id = config.proxy_model_id or getattr(proxy, "name_or_path", "") or "unknown"

@@ -11,11 +11,11 @@ steps, then ``ReduceLROnPlateau`` (factor 0.5, patience 3) on the validation los
 grad-clip 1.0, 5% of the crops held out, 30 epochs. ``accelerate`` places the model and the batches, runs bf16
 autocast on CUDA (none on CPU) and shards the batches across processes.
 
-``out_dir`` receives the best mapper (lowest validation loss) in the directory format of :mod:`proxykv_hf.checkpoint`,
-``last/`` (the training state, rewritten after every epoch and when ``max_steps`` stops a run; a later call
-resumes from it), ``log.jsonl`` (``"step"`` records every ``log_every`` steps, ``"epoch"`` records with the
-validation metrics) and ``training.png`` (loss and validation mass recovery against the step; redrawn at the
-end of a run and every few minutes during one).
+``out_dir`` receives the best mapper (lowest validation loss) in the directory format of
+:mod:`proxykv_hf.mapper.checkpoint`, ``last/`` (the training state, rewritten after every epoch and when ``max_steps``
+stops a run; a later call resumes from it), ``log.jsonl`` (``"step"`` records every ``log_every`` steps, ``"epoch"``
+records with the validation metrics) and ``training.png`` (loss and validation mass recovery against the step; redrawn
+at the end of a run and every few minutes during one).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from ..checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, save_checkpoint
-from ..file_errors import writing
-from ..hub import load_checkpoint
-from ..mapper import HybridAxialMapper, MapperConfig
+from ..mapper.checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, save_checkpoint
+from ..models.file_errors import writing
+from ..mapper.hub import load_checkpoint
+from ..mapper.model import HybridAxialMapper, MapperConfig
 from .config import TrainConfig
 from .dataset import MapperDataset, split_dataset
 from .evaluate import evaluate_mapper, plot_training, read_log
@@ -97,8 +97,8 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if cfg.target_layers is not None and cfg.target_layers[-1] >= mapper_config.num_target_layers:
-        raise ValueError(f"target_layers {list(cfg.target_layers)}: the mapper scores {mapper_config.num_target_layers} "
-                         "target layers")
+        raise ValueError(f"target_layers {list(cfg.target_layers)}: the mapper scores "
+                         f"{mapper_config.num_target_layers} target layers")
     mapper = HybridAxialMapper(mapper_config)
     last = find_last(out) if resume else None
     if cfg.init_from is not None and last is None:  # a resumed run's own state wins

@@ -1,10 +1,9 @@
 """Multi-granularity hybrid loss (paper section "Multi-granularity hybrid loss").
 
-``L = l_bin * L_bin + l_mse * L_mse + l_fine * L_fine + l_global * L_global + l_cos * L_cos`` (+ ``l_list *
-L_list``, beyond the paper and off by default) over rows of scores: every leading index of ``(..., N)`` (e.g. one
-(batch, target layer, KV head)) is one row. The raw logit ``x`` feeds a sigmoid head ``sigmoid(x)`` (BCE, cosine)
-and a magnitude head ``sigmoid(x) * s_max`` (MSE); the two pairwise ranking terms act on logit differences
-``x_i - x_j``.
+``L = l_bin * L_bin + l_mse * L_mse + l_fine * L_fine + l_global * L_global + l_cos * L_cos`` over rows of scores:
+every leading index of ``(..., N)`` (e.g. one (batch, target layer, KV head)) is one row. The raw logit ``x`` feeds
+a sigmoid head ``sigmoid(x)`` (BCE, cosine) and a magnitude head ``sigmoid(x) * s_max`` (MSE); the two pairwise
+ranking terms act on logit differences ``x_i - x_j``.
 
 Pairs for the ranking terms are drawn per row: all of them when a row has at most ``max_pairs`` candidate
 (ordered) pairs, otherwise ``max_pairs`` uniform samples with replacement from ``generator``; memory is
@@ -22,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._fields import check_known_fields
+from ..mapper._fields import check_known_fields
 from .metrics import expand_mask, order_desc, ranks_of, topk_count
 
 COS_INPUTS = ("sigmoid", "logits")
-TERMS = ("bin", "mse", "fine", "global", "cos", "list")
+TERMS = ("bin", "mse", "fine", "global", "cos")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,12 +43,6 @@ class LossConfig:
     * ``L_fine`` weights are ``|Y_i - Y_j|`` over their mean across all kept pairs of the batch, so the term is
       ``sum(|dY| * softplus) / sum(|dY|)``; ``L_global`` is a plain mean of weighted hinges over kept pairs.
     * ``pair_filter`` drops pairs with ``|Y_i - Y_j| < pair_filter * max(Y_row)`` from both ranking terms.
-
-    Beyond the paper, ``lambda_list > 0`` adds a listwise Top-K term (ListNet with a truncated target):
-    ``KL(p || softmax(x))`` per row over its real tokens, with ``p`` the oracle scores of the row's top
-    ``ceil(list_ratio * N_valid)`` tokens normalised to sum 1 (0 elsewhere). The BCE and MSE terms average over
-    all tokens, so the few tokens that carry most of the oracle's mass get a few percent of their weight; this
-    term spends its whole weight on them and asks for each to rank above every other token of the row.
     """
 
     lambda_bin: float = 10.0
@@ -68,20 +61,18 @@ class LossConfig:
     margin: float = 1.0
     global_weight_max: float = 5.0
     cos_input: str = "sigmoid"
-    lambda_list: float = 0.0
-    list_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratios", tuple(self.ratios))
-        for name in ("lambda_bin", "lambda_mse", "lambda_fine", "lambda_global", "lambda_cos", "lambda_list", "gamma",
-                     "mse_eps", "mse_alpha", "margin"):
+        for name in ("lambda_bin", "lambda_mse", "lambda_fine", "lambda_global", "lambda_cos", "gamma", "mse_eps",
+                     "mse_alpha", "margin"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not self.ratios or any(isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1
                                   for r in self.ratios):
             raise ValueError(f"ratios must be a non-empty sequence of values in (0, 1], got {self.ratios!r}")
-        for name in ("r_min", "rank_ratio", "list_ratio"):
+        for name in ("r_min", "rank_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0 <= self.pair_filter < 1:
@@ -189,22 +180,6 @@ def cos_loss(x: Tensor, y: Tensor, valid: Tensor, cfg: LossConfig) -> Tensor:
     return (1 - cos)[valid.any(-1)].mean()
 
 
-def list_loss(x: Tensor, y: Tensor, valid: Tensor, order: Tensor, cfg: LossConfig) -> Tensor:
-    """Listwise Top-K term: ``KL(p || softmax(x))`` per row over real tokens, ``p`` = the oracle's top
-    ``ceil(list_ratio * N_valid)`` scores normalised per row; mean over rows with positive top mass. All ``(R, N)``."""
-    ranks = ranks_of(order)
-    top = (ranks < topk_count(valid.sum(-1), cfg.list_ratio)[:, None]) & valid  # (R, N)
-    p = y.clamp_min(0) * top
-    mass = p.sum(-1, keepdim=True)  # (R, 1)
-    ok = mass[:, 0] > 0
-    if not bool(ok.any()):
-        return x.sum() * 0
-    p = p / mass.clamp_min(1e-30)
-    log_q = torch.log_softmax(x.masked_fill(~valid, -math.inf), dim=-1)  # (R, N)
-    kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p)).sum(-1)  # (R,)
-    return kl[ok].mean()
-
-
 def hybrid_loss(logits: Tensor, target: Tensor, mask: Tensor | None = None, config: LossConfig | None = None,
                 *, generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The paper's composite loss ``sum_k lambda_k L_k`` on rows of scores.
@@ -218,7 +193,7 @@ def hybrid_loss(logits: Tensor, target: Tensor, mask: Tensor | None = None, conf
 
     Returns:
         ``(total, terms)``: the scalar loss and the unweighted terms ``{"bin", "mse", "fine", "global",
-        "cos", "list"}`` (a disabled term is a detached 0).
+        "cos"}`` (a disabled term is a detached 0).
     """
     cfg = config if config is not None else LossConfig()
     if logits.shape != target.shape:
@@ -230,10 +205,10 @@ def hybrid_loss(logits: Tensor, target: Tensor, mask: Tensor | None = None, conf
     zero = x.new_zeros(())
     terms = {name: zero for name in TERMS}
     lambdas = {"bin": cfg.lambda_bin, "mse": cfg.lambda_mse, "fine": cfg.lambda_fine,
-               "global": cfg.lambda_global, "cos": cfg.lambda_cos, "list": cfg.lambda_list}
+               "global": cfg.lambda_global, "cos": cfg.lambda_cos}
     if not bool(valid.any()):
         return x.sum() * 0, terms
-    needs_order = lambdas["bin"] or lambdas["fine"] or lambdas["global"] or lambdas["list"]
+    needs_order = lambdas["bin"] or lambdas["fine"] or lambdas["global"]
     order = order_desc(y, valid) if needs_order else None  # (R, N) tokens by target score, best first
     if lambdas["bin"]:
         terms["bin"] = bin_loss(x, y, valid, order, cfg)
@@ -245,7 +220,5 @@ def hybrid_loss(logits: Tensor, target: Tensor, mask: Tensor | None = None, conf
         terms["global"] = global_loss(x, y, valid, *sample_pairs(y, valid, order, cfg, "global", generator), cfg)
     if lambdas["cos"]:
         terms["cos"] = cos_loss(x, y, valid, cfg)
-    if lambdas["list"]:
-        terms["list"] = list_loss(x, y, valid, order, cfg)
     total = sum((lambdas[name] * terms[name] for name in TERMS if lambdas[name]), x.sum() * 0)
     return total, terms

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .._fields import DTYPES as STORAGE_DTYPES, check_known_fields
-from ..checkpoint import TargetSpec
-from ..proxy import PROXY_KINDS, ProxySpec, check_self_layers
-from ..scoring import check_statistics
+from ..mapper._fields import DTYPES as STORAGE_DTYPES, check_known_fields
+from ..mapper.checkpoint import TargetSpec
+from ..mapper.proxy import PROXY_KINDS, ProxySpec, check_self_layers
+from ..attention.statistics import check_statistics
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -34,7 +34,7 @@ class DataConfig:
         max_length: texts are truncated to their first ``max_length`` tokens before the proxy and oracle run.
         min_length: texts with fewer tokens are skipped (counted in the manifest).
         proxy_kind: ``"model"`` (a separate proxy model sharing the tokenizer), ``"layers"`` (a subset of the
-            target's layers) or ``"self"`` (the target's own full-attention layers); see :mod:`proxykv_hf.proxy`.
+            target's layers) or ``"self"`` (the target's own full-attention layers); see :mod:`proxykv_hf.mapper.proxy`.
         proxy_model_id: id or path of the proxy model (kind ``"model"``); stored in the checkpoint so that
             ``ProxyKVCache.from_pretrained`` can load it. Default: the passed proxy's ``name_or_path``.
         proxy_layers: target layer indices of a ``"layers"`` proxy; default ``every_kth_layer(L, layer_stride)``.
@@ -124,8 +124,8 @@ class Manifest:
     """What ``manifest.json`` of a dataset directory records.
 
     Attributes:
-        target: :class:`~proxykv_hf.checkpoint.TargetSpec` fields of the target the oracle ran on.
-        proxy: :class:`~proxykv_hf.proxy.ProxySpec` fields of the proxy the features came from.
+        target: :class:`~proxykv_hf.mapper.checkpoint.TargetSpec` fields of the target the oracle ran on.
+        proxy: :class:`~proxykv_hf.mapper.proxy.ProxySpec` fields of the proxy the features came from.
         tokenizer: the tokenizer's ``name_or_path`` (and vocabulary size).
         data_config: :class:`DataConfig` fields.
         oracle: dotted name of the oracle function.

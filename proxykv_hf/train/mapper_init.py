@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Sequence
 
-from ..mapper import HybridAxialMapper, MapperConfig
+from ..mapper.model import HybridAxialMapper, MapperConfig
 from .manifest import Manifest
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from ..mapper import HybridAxialMapper
+from ..mapper.model import HybridAxialMapper
 from .config import TrainConfig
 
 

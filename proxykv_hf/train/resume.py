@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint import WEIGHTS_NAME
-from ..file_errors import reading, writing
-from ..mapper import MapperConfig
+from ..mapper.checkpoint import WEIGHTS_NAME
+from ..models.file_errors import reading, writing
+from ..mapper.model import MapperConfig
 from .config import TrainConfig
 from .optim import WarmupPlateau
 

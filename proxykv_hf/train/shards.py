@@ -21,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from ..context_files import normalize, temp_name
-from ..file_errors import reading, writing
-from ..mapper import window_starts
+from ..contexts.directory import normalize, temp_name
+from ..models.file_errors import reading, writing
+from ..mapper.model import window_starts
 from .manifest import FLOAT16_MAX, MANIFEST_NAME, STORAGE_DTYPES, DataConfig, Manifest
 
 SHARD_TENSORS = ("x", "y", "mask", "length", "start", "text")
