@@ -269,3 +269,66 @@ def test_eval_tiny_ruler_split(tmp_path, capsys, monkeypatch):
     config = json.loads((out / "config.json").read_text())["config"]
     assert config["split"] == "ruler" and config["tasks"] == ["ruler_niah_single_1", "ruler_vt"]
     assert "Split ruler, ~1800 tokens: 2 samples (2 tasks x 1)" in capsys.readouterr().out
+
+
+def _kvpress_ids(tok, context: str, question: str, answer_prefix: str) -> tuple[list[int], list[int]]:
+    """The context and question ids kvpress 0.5.5's pipeline builds (``KVPressTextGenerationPipeline.preprocess``):
+    the user message ``context + separator`` under the chat template, cut at the separator."""
+    separator = "#" * (len(context) + 10)
+    text = tok.apply_chat_template([{"role": "user", "content": context + separator}], add_generation_prompt=True,
+                                   tokenize=False)
+    head, suffix = text.split(separator)
+    return (tok.encode(head, add_special_tokens=False),
+            tok.encode(question + suffix + answer_prefix, add_special_tokens=False))
+
+
+def test_export_writes_the_harness_samples(tmp_path, capsys):
+    from proxykv_hf.eval.ruler import export
+    from proxykv_hf.eval.tasks import encode_sample
+
+    out = tmp_path / "ruler.jsonl"
+    assert export.main(["--tiny", "--tasks", "niah_single_1", "vt", "--context-lengths", "1800", "--n-samples", "2",
+                        "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["task"], r["sample"]) for r in rows] == [(t, i) for t in ("ruler_niah_single_1", "ruler_vt")
+                                                         for i in (0, 1)]
+    for task in ("ruler_niah_single_1", "ruler_vt"):
+        for s, r in zip(generate(task, 2, 1800, TOK, seed=SEED), [r for r in rows if r["task"] == task]):
+            assert (r["context"], r["question"], r["answer_prefix"], r["answers"], r["metric"]) == \
+                   (s.context, s.question, s.answer_prefix, s.answers, s.metric)
+            assert r["seed"] == SEED and r["context_length"] == 1800 and r["max_new_tokens"] == s.meta["max_new_tokens"]
+            ctx, q = encode_sample(s, TOK)  # what the harness prefills, then asks
+            assert _kvpress_ids(TOK, r["kvpress_context"], r["kvpress_question"], r["answer_prefix"]) == (ctx, q)
+            assert (r["context_tokens"], r["question_tokens"]) == (len(ctx), len(q))
+
+
+def test_export_refuses_an_existing_out(tmp_path, capsys):
+    from proxykv_hf.eval.ruler import export
+
+    out = tmp_path / "mine.jsonl"
+    out.write_text("a user's file\n")
+    assert export.main(["--tiny", "--tasks", "vt", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exists" in err[0] and out.read_text() == "a user's file\n"
+
+
+def test_kvpress_script_scores_like_the_harness():
+    """scripts/ruler_kvpress.py runs in kvpress's virtualenv without this library: its scoring mirrors
+    score_sample. Imported by path (its module level needs the standard library only)."""
+    import importlib.util
+
+    from proxykv_hf.eval.haystack import Sample
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ruler_kvpress.py"
+    spec = importlib.util.spec_from_file_location("ruler_kvpress", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cases = [("1234567", ["1234567"]), ("  \x00ABC and def\x1f ", ["abc", "DEF", "ghi"]), ("", ["x"]),
+             ("Paris, not London", ["paris", "Rome"]), ("they are: KQXYZ ABCDE", ["KQXYZ", "ABCDE", "MMMMM"]),
+             ("line one\nline two\ttab", ["one\nline", "two tab"])]
+    for metric in ("all", "part"):
+        for prediction, answers in cases:
+            sample = Sample(task="t", context="c", question="q", answers=answers, metric=metric)
+            assert script.score(prediction, answers, metric) == score_sample(sample, prediction), (prediction, metric)
+    with pytest.raises(ValueError, match="unknown metric"):
+        script.score("a", ["a"], "exact")
