@@ -135,6 +135,53 @@ def test_bench_tiny(tmp_path, capsys):
     assert cells[("64", "full")] == "1.00" and float(cells[("64", "proxykv")]) > 1 and float(cells[("64", "kvzip")]) > 2
 
 
+def test_bench_resumes_a_stopped_run(tmp_path, capsys, monkeypatch):
+    """bench.json is saved after each context length; the same command again measures only what is missing, a
+    new length extends the curve, and a run of another setting is refused before any model loads."""
+    from proxykv_hf.bench.run import Bench
+
+    def args(*lengths, keep="0.3"):
+        return ["bench", "--tiny", "--methods", "full", "snapkv", "--context-lengths", *lengths, "--repeats", "1",
+                "--warmup", "0", "--decode-tokens", "2", "--keep-ratio", keep, "--out", str(tmp_path)]
+
+    real, order = Bench._prefill, []
+
+    def prefill(self, method, ids):
+        if ids.shape[1] == 96 and ("stopped", 0) not in order:  # the first run stops during its second length
+            raise KeyboardInterrupt
+        order.append((method, ids.shape[1]))
+        return real(self, method, ids)
+
+    monkeypatch.setattr(Bench, "_prefill", prefill)
+    with pytest.raises(KeyboardInterrupt):
+        main(args("64", "96"))
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["context"], r["method"]) for r in saved["rows"]] == [(64, "full"), (64, "snapkv")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
+    del order[:]
+    order.append(("stopped", 0))
+    main(args("64", "96"))
+    assert {n for _, n in order[1:]} == {96}
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert rows[:2] == saved["rows"] and [(r["context"], r["method"]) for r in rows[2:]] == [(96, "full"),
+                                                                                            (96, "snapkv")]
+    del order[1:]
+    main(args("128"))
+    assert {n for _, n in order[1:]} == {128}
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["context"] for r in summary["rows"]] == [64, 64, 96, 96, 128, 128]
+    assert summary["config"]["context_lengths"] == [64, 96, 128] and "| 128 | snapkv |" in (tmp_path / "bench.md")\
+        .read_text()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    del order[1:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(args("256", keep="0.5"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "keep_ratio=0.3" in err[0] and "another --out" in err[0]
+    assert order[1:] == [] and {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_bench_compile_mapper_reaches_the_scorer(tmp_path, capsys, monkeypatch):
     """``--compile-mapper`` hands the ProxyKV scorer ``compile_mapper=True`` (its encoder's forward goes through
     ``torch.compile``, replaced here by a marker so that the test does not compile) and the JSON records it."""

@@ -38,6 +38,20 @@ def test_bench_plots_merges_the_memory_run(tmp_path):
     assert done.returncode != 0 and "has no row for (context, method) (8192" in done.stderr
 
 
+def test_bench_plots_joins_runs_at_different_lengths(tmp_path):
+    rows = json.loads((DATA / "cpu_bench_1k8k.json").read_text())["rows"]
+    (tmp_path / "short.json").write_text(json.dumps({"rows": [r for r in rows if r["context"] < 8192]}))
+    (tmp_path / "long.json").write_text(json.dumps({"rows": [r for r in rows if r["context"] == 8192]}))
+    done = run("bench_plots.py", str(tmp_path / "short.json"), str(tmp_path / "long.json"), "--out",
+               str(tmp_path / "joined.png"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "joined.png").stat().st_size > 0
+    done = run("bench_plots.py", str(tmp_path / "short.json"), str(DATA / "cpu_bench_1k8k.json"), "--out",
+               str(tmp_path / "twice.png"))
+    assert done.returncode != 0 and "is in more than one of" in done.stderr
+    assert not (tmp_path / "twice.png").exists()
+
+
 def test_flop_budget_prints_the_floor_and_the_measured_rows(tmp_path):
     done = run("flop_budget.py", "--context-lengths", "32768", "--bench", str(DATA / "gpu_llama.json"), "--plot",
                str(tmp_path / "floor.png"))

@@ -3,7 +3,9 @@ and report.
 
 The report on stdout is a table for people, then one line of JSON (:func:`~proxykv_hf.bench.run.summary_json`: the
 config, the environment and every row), the interface for scripts: ``json.loads(stdout.splitlines()[-1])``.
-``--out`` also writes the table, a plot and the same JSON (``bench.json``) to a directory.
+``--out`` also writes the table, a plot and the same JSON (``bench.json``) to a directory; ``bench.json`` is saved
+after each context length, and a run given the ``--out`` of an earlier one of the same setting measures only the
+lengths that one has not (a long curve survives a stopped process, and grows by lengths).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import platform
 import subprocess
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -116,10 +121,76 @@ def _measure_peak(spec: dict) -> int:
     return 0
 
 
+def _environment(ns, model) -> dict:
+    """:func:`~proxykv_hf.eval.harness.environment`, the CPU by name and instruction set (a curve resumed on another
+    CPU would mix two machines' times), and the options that pick the models."""
+    import torch
+
+    from ..models.loading import native_bf16
+
+    env = environment(model)
+    env.update(shape=ns.shape, compile_mapper=ns.compile_mapper, mapper=getattr(ns, "mapper", None),
+               proxy_model=getattr(ns, "proxy_model", None), cpu=_cpu_name(),
+               cpu_capability=torch.backends.cpu.get_cpu_capability(), native_bf16=native_bf16())
+    if getattr(ns, "mapper_config", None):
+        env["mapper_config"] = list(ns.mapper_config)
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    names = [line.partition(":")[2].strip() for line in info.splitlines() if line.startswith("model name")]
+    return names[0] if names else platform.processor()
+
+
+def earlier_run(out: Path | None, cfg: BenchConfig) -> tuple[BenchConfig, dict | None]:
+    """The run saved in ``out`` (``bench.json``, written after each context length) that this one resumes: the
+    config extended to the lengths of both, and the saved summary (None where there is none).
+
+    Raises:
+        ValueError: the saved run has another setting than ``cfg`` (any field but the context lengths).
+    """
+    path = out / "bench.json" if out is not None else None
+    if path is None or not path.exists():
+        return cfg, None
+    summary = json.loads(path.read_text())
+    mine = json.loads(json.dumps(asdict(cfg)))
+    _same(out, summary["config"], mine, skip="context_lengths")
+    lengths = sorted(set(cfg.context_lengths) | {r["context"] for r in summary["rows"]})
+    return replace(cfg, context_lengths=lengths), summary
+
+
+def _same(out: Path, theirs: dict, mine: dict, skip: str = "") -> None:
+    for key in sorted((set(theirs) | set(mine)) - {skip}):
+        if theirs.get(key) != mine.get(key):
+            raise ValueError(f"{out} holds a bench run with {key}={theirs.get(key)!r}, this one has "
+                             f"{mine.get(key)!r}: give another --out (a run resumes only the same setting)")
+
+
+def _save(out: Path, rows: list[dict], cfg: BenchConfig, env: dict) -> None:
+    """``bench.json`` whole or not at all (a temporary sibling renamed over it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "bench.json.tmp"
+    try:
+        tmp.write_text(summary_json(rows, cfg, env) + "\n")
+        os.replace(tmp, out / "bench.json")
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written summary
+        raise
+
+
 def run_bench(ns) -> int:
-    cfg = from_args(BenchConfig, ns)
+    out = Path(ns.out) if ns.out else None
+    cfg, earlier = earlier_run(out, from_args(BenchConfig, ns))  # a run of another setting fails before any load
     shape_mapper_overrides(ns)  # a bad --mapper-config fails before any model loads
     model, scorers, runner = _setup(ns)
+    env = _environment(ns, model)
+    if earlier is not None:
+        _same(out, earlier["env"], json.loads(json.dumps(env)))
+    done = earlier["rows"] if earlier is not None else []
     probe = None
     if cfg.fresh_memory:
         if next(model.parameters()).device.type == "cpu":
@@ -128,19 +199,17 @@ def run_bench(ns) -> int:
             logger.warning("--fresh-memory applies to the CPU only: on %s the allocator's own peak is used",
                            next(model.parameters()).device)
     bench = Bench(model, scorers, cfg, proxy_runner=runner, memory_probe=probe)
-    with tqdm(total=len(cfg.context_lengths) * len(bench.labels()), desc="bench", unit="method") as bar:
+    pending = len(cfg.context_lengths) - len(bench.measured(done))
+    if done:
+        logger.warning("resuming the run in %s: %d of %d context lengths measured", out,
+                       len(cfg.context_lengths) - pending, len(cfg.context_lengths))
+    with tqdm(total=pending * len(bench.labels()), desc="bench", unit="method") as bar:
         rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
-                                                               ttft_s=f"{row['ttft_s']:.2f}"), bar.update()))
-    env = environment(model)
-    env["shape"] = ns.shape
-    env["compile_mapper"] = ns.compile_mapper
-    if getattr(ns, "mapper_config", None):
-        env["mapper_config"] = list(ns.mapper_config)
+                                                               ttft_s=f"{row['ttft_s']:.2f}"), bar.update()),
+                         done=done, checkpoint=None if out is None else lambda rows: _save(out, rows, cfg, env))
     print(table(rows))
-    if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(summary_json(rows, cfg, env) + "\n")  # first: marks the directory bench's
+    if out is not None:
+        _save(out, rows, cfg, env)  # first: marks the directory bench's
         (out / "bench.md").write_text(table(rows) + "\n")
         plot(rows, out / "bench.png")
     print(summary_json(rows, cfg, env))

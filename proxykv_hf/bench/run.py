@@ -286,13 +286,32 @@ class Bench:
         return {"proxy_kind": kind, "proxy_dtype": dtype_name(next(self.proxy_runner.parameters()).dtype),
                 "proxy_s": t_proxy, "mapper_s": t_mapper, "compact_s": t_compact}
 
-    def run(self, progress=None) -> list[dict]:
+    def measured(self, done: list[dict]) -> dict[int, list[dict]]:
+        """The context lengths of this run that ``done`` (rows of an earlier run) covers for every method, with
+        their rows."""
+        lengths = {n: [r for r in done if r["context"] == n] for n in self.config.context_lengths}
+        return {n: rs for n, rs in lengths.items() if [r["method"] for r in rs] == self.labels()}
+
+    def run(self, progress=None, done: list[dict] = (), checkpoint=None) -> list[dict]:
+        """One row per (context length, method), lengths in order.
+
+        Args:
+            progress: called with each new row.
+            done: rows of an earlier run of this setting: the lengths they cover for every method are not measured
+                again (their rows are returned as they are).
+            checkpoint: called with the rows so far after each context length (to save a long run as it goes).
+        """
         cfg, rows = self.config, []
-        ids0 = self._prompt(min(cfg.context_lengths))
-        for _ in range(cfg.warmup):
+        earlier = self.measured(done)
+        pending = [n for n in cfg.context_lengths if n not in earlier]
+        ids0 = self._prompt(min(pending)) if pending else None
+        for _ in range(cfg.warmup if pending else 0):
             for method in self.labels():
                 self._prefill(method, ids0)
         for n in cfg.context_lengths:
+            if n in earlier:
+                rows.extend(earlier[n])
+                continue
             ids = self._prompt(n)
             base, runs = {}, {method: [] for method in self.labels()}
             for _ in range(cfg.repeats):  # methods in turn: a drift in the machine's speed touches each alike
@@ -340,6 +359,8 @@ class Bench:
                 logger.info("bench %s", json.dumps(row))
                 if progress is not None:
                     progress(row)
+            if checkpoint is not None:
+                checkpoint(rows)
         return rows
 
 

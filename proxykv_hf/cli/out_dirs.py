@@ -11,7 +11,7 @@ train         proxykv_config.json, model.safetensors, README.md,           the r
 eval          config.json, results.jsonl, results.md, accuracy.png,       config.json's run record, or
               oracle/, rank-NNNNN-of-NNNNN/ (one process's config.json     rank directories (a distributed
               and results.jsonl under torchrun)                            run under way)
-bench         bench.json, bench.md, bench.png                              bench.json's summary
+bench         bench.json (bench.json.tmp), bench.md, bench.png             bench.json's summary
 build-data    manifest.json, shard-NNNNN.safetensors,                      manifest.json (a dataset's)
               rank-NNNNN-of-NNNNN/ (one dataset per process)
 merge-data    none: a new or empty directory only (written whole or not at all)
@@ -112,6 +112,9 @@ def _eval_run(path: Path) -> bool:
 
 
 def _bench_run(path: Path) -> bool:
+    """A bench run's summary (saved after each context length), or only its first one being written."""
+    if not (path / "bench.json").exists() and not (path / "bench.json").is_symlink():
+        return all(p.name == "bench.json.tmp" for p in path.iterdir())
     summary = _json(path / "bench.json") or {}
     return isinstance(summary.get("config"), dict) and "env" in summary and isinstance(summary.get("rows"), list)
 
@@ -166,7 +169,7 @@ OUTPUTS: dict[str, Output] = {
     "eval": Output(files=r"(config\.json|results\.jsonl)(\.tmp)?|results\.md|accuracy\.png",
                    dirs={"oracle": lambda d: _only(d, r"[^/]+\.safetensors(\.part)?"), _RANK: _eval_rank_dir},
                    marker=_evaluated, needs="the run record `proxykv eval` writes in config.json"),
-    "bench": Output(files=r"bench\.(json|md|png)", marker=_bench_run,
+    "bench": Output(files=r"bench\.(json(\.tmp)?|md|png)", marker=_bench_run,
                     needs="the summary `proxykv bench` writes in bench.json"),
     "build-data": Output(files=_DATASET_FILES, dirs={_RANK: _rank_dir},
                          marker=_built, needs=f"a dataset {MANIFEST_NAME}"),
