@@ -54,6 +54,17 @@ def test_shipped_checkpoint_matches_smollm2_shape():
     assert logits.double().sum().item() == pytest.approx(-19878.239625692368, rel=1e-5)
 
 
+CALIBRATED = {PAIR_MAPPER}  # the bundled checkpoints holding the global budget's quantile table
+
+
+def test_the_pair_mappers_quantile_table_is_the_oracles_shape():
+    """Per target layer and KV head, 65 nondecreasing log-scores; the top of a row (the attention sinks and needles
+    KVzip keeps) near log 1, the bottom far below."""
+    table = load_checkpoint(PAIR_MAPPER).global_quantiles
+    assert table.shape == (28, 2, 65) and bool((table.diff(dim=-1) >= 0).all())
+    assert bool((table[..., -1] > -3).all()) and bool((table[..., 0] < table[..., -1] - 2).all())
+
+
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_configs_hold_current_fields_only(name):
     """No removed option (``pool_kernel``, ``layer_mix``, the mapper's old switches, the listwise loss term) and no
@@ -61,7 +72,7 @@ def test_bundled_configs_hold_current_fields_only(name):
     from proxykv_hf.train.config import TrainConfig
 
     config = json.loads((BUNDLED_DIR / name / CONFIG_NAME).read_text())
-    assert set(config) == CONFIG_KEYS
+    assert set(config) == CONFIG_KEYS | ({"global_quantiles"} if name in CALIBRATED else set())
     assert set(config["mapper"]) == {f.name for f in dataclasses.fields(MapperConfig)}
     assert TRAINING_KEYS <= set(config["training"]) <= TRAINING_KEYS | {"splits"}  # the SmolLM2 data's split
     TrainConfig.from_dict(config["training"]["train_config"])  # an unknown field raises, in its loss too

@@ -254,6 +254,7 @@ def test_build_train_load_generate(kind, tmp_path, target, tok, texts):
     loaded = load_checkpoint(tmp_path / "run")
     for a, b in zip(loaded.mapper.state_dict().values(), ckpt.mapper.state_dict().values()):
         assert torch.equal(a, b)
+    assert loaded.global_quantiles.shape[:2] == (4, 2)  # the global budget's table of the training oracle
     cache = ProxyKVCache.from_pretrained(str(tmp_path / "run"), keep_ratio=0.3, proxy=proxy)
     enc = tok([texts[0]], return_tensors="pt")
     n = enc["input_ids"].shape[1]

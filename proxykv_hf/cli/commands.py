@@ -7,6 +7,7 @@
     proxykv eval --methods full kvzip snapkv --keep-ratios 0.1 0.3 --tasks niah_single_1 --n-samples 5
     proxykv build-data --tasks niah_single_1 qa --n-per-task 20 --tokens 2048 --out runs/data
     proxykv train --data runs/data --out runs/mapper
+    proxykv calibrate --mapper DIR --data runs/data --out runs/calibrated  # a mapper trained before, recalibrated
     proxykv bench --methods full snapkv kvzip proxykv --context-lengths 1024 2048
     proxykv eval --plugin mypackage.scorers --methods full mymethod ...   # a scorer registered in your own module
 
@@ -30,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 from ..cache.proxykv_cache import DEFAULT_KEEP_RATIO
+from .calibrate import add_calibrate
 from .helpers import (UsageError, add_dataclass_args, add_field_arg, add_out_arg, checkpoint_arg, context_dir_arg,
                       context_out_arg, default_device, device_arg, dtype_of, field_docs, field_overrides, from_args,
                       is_user_error, keep_ratio_arg, load, mapper_for, mapper_overrides, model_of_context,
@@ -402,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "side by side, as the bundled mapper runs them)")
     add_out_arg(p, "bench", "directory for the table (bench.md), plot (bench.png) and JSON summary (bench.json)")
     p.set_defaults(fn=cmd_bench)
+    add_calibrate(sub)
     return parser
 
 

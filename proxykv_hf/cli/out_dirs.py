@@ -15,6 +15,7 @@ bench         bench.json (bench.json.tmp), bench.md, bench.png             bench
 build-data    manifest.json, shard-NNNNN.safetensors,                      manifest.json (a dataset's)
               rank-NNNNN-of-NNNNN/ (one dataset per process)
 merge-data    none: a new or empty directory only (written whole or not at all)
+calibrate     none: a new or empty directory only (written whole or not at all)
 ============  ==========================================================  =================================
 
 ``compress`` follows the same rule for saved contexts (:func:`proxykv_hf.contexts.directory.check_target`).
@@ -174,6 +175,7 @@ OUTPUTS: dict[str, Output] = {
     "build-data": Output(files=_DATASET_FILES, dirs={_RANK: _rank_dir},
                          marker=_built, needs=f"a dataset {MANIFEST_NAME}"),
     "merge-data": Output(),
+    "calibrate": Output(),
 }
 """The ``--out`` of each command that writes one (``compress``: :mod:`proxykv_hf.contexts.directory`)."""
 

@@ -4,7 +4,8 @@ proxy's :class:`~proxykv_hf.mapper.proxy.ProxySpec`), checked when built, and th
 A checkpoint is a directory with three files, safetensors only (no pickle):
 
 * ``proxykv_config.json``: format version, mapper config, proxy spec, target description (model id, number of
-  compacted layers, KV heads), the layer pairing, training-data summary and validation metrics.
+  compacted layers, KV heads), the layer pairing, training-data summary and validation metrics, and the quantile
+  table that makes scores comparable across heads under the global budget (:mod:`proxykv_hf.mapper.calibration`).
 * ``model.safetensors``: the mapper weights (those of any extra mapper under ``extra_mappers.<i>.``).
 * ``README.md``: a generated model card.
 
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ._fields import check_known_fields
+from .calibration import calibrate, check_quantiles, table_as_list
 from .model import HybridAxialMapper, MapperConfig
 from .proxy import ProxySpec, check_self_layers
 
@@ -33,7 +35,8 @@ CARD_NAME = "README.md"
 FORMAT_VERSION = 1
 MAX_MAPPERS = 4096  # layer_mappers' indices: one mapper per target layer at most
 EXTRA_PREFIX = "extra_mappers."  # weight names of Checkpoint.extra_mappers[i]: "extra_mappers.<i>.<name>"
-CONFIG_KEYS = ("format_version", "mapper", "proxy", "target", "pairing", "layer_mappers", "training", "metrics")
+CONFIG_KEYS = ("format_version", "mapper", "proxy", "target", "pairing", "layer_mappers", "training", "metrics",
+               "global_quantiles")
 """The keys of ``proxykv_config.json`` (:func:`save_checkpoint`); another is refused when read."""
 
 
@@ -98,6 +101,9 @@ class Checkpoint:
         layer_mappers: per target layer, the mapper that scores it: 0 is ``mapper``, ``i`` is
             ``extra_mappers[i - 1]``; None scores every layer with ``mapper``. Each layer runs its own mapper only,
             so scoring costs what one mapper costs.
+        global_quantiles: `(target layers, KV heads, points)` quantile table of the oracle's log-scores
+            (:func:`~proxykv_hf.mapper.calibration.fit_quantiles`) that :meth:`global_scores` reads; None: the
+            global budget compares the logits as they are.
     """
 
     mapper: HybridAxialMapper
@@ -107,9 +113,13 @@ class Checkpoint:
     metrics: dict = field(default_factory=dict)
     extra_mappers: list[HybridAxialMapper] = field(default_factory=list)
     layer_mappers: list[int] | None = None
+    global_quantiles: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._check_layer_mappers()
+        if self.global_quantiles is not None:
+            self.global_quantiles = check_quantiles(self.global_quantiles, self.target.num_layers,
+                                                    self.target.num_kv_heads)
         cfg = self.mapper.config
         got = (cfg.num_proxy_layers, cfg.num_proxy_heads, cfg.num_statistics)
         want = (self.proxy.num_layers, self.proxy.num_heads, len(self.proxy.statistics))
@@ -180,6 +190,13 @@ class Checkpoint:
             out[:, layers] = part
         return out
 
+    def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Each target layer's logits ``(B, H_kv, T)`` made comparable across layers and heads through the
+        quantile table (:func:`~proxykv_hf.mapper.calibration.calibrate`); as they are without one."""
+        if self.global_quantiles is None:
+            return scores
+        return {i: calibrate(s, valid.to(s.device), self.global_quantiles[i]) for i, s in scores.items()}
+
     def check_target(self, config) -> None:
         """Raise if a target model's config does not match the one the mapper was trained for.
 
@@ -228,6 +245,8 @@ def _card(ckpt: Checkpoint) -> str:
         f"| mapper parameters | {sum(p.numel() for p in ckpt.mapper.parameters()):,}"
         + (f" each, {len(ckpt.mappers)} mappers |" if ckpt.extra_mappers else " |"),
     ]
+    if ckpt.global_quantiles is not None:
+        lines.append(f"| global budget | quantile table, {ckpt.global_quantiles.shape[-1]} points per head |")
     if ckpt.layer_mappers is not None:
         lines.append(f"| mapper of each target layer (`layer_mappers`, 0 = the first) | {ckpt.layer_mappers} |")
     for key, value in sorted(ckpt.training.items()):
@@ -251,13 +270,19 @@ def save_checkpoint(ckpt: Checkpoint, directory: str | os.PathLike) -> Path:
         "training": ckpt.training,
         "metrics": ckpt.metrics,
     }
+    layers = [] if ckpt.global_quantiles is None else table_as_list(ckpt.global_quantiles)
+    if layers:  # one line per target layer, not one per number
+        config["global_quantiles"] = [f"@layer-{i}@" for i in range(len(layers))]
     state = {}
     for i, m in enumerate(ckpt.mappers):
         prefix = _weight_prefix(i)
         # cloned: two mappers may share tensors (the same mapper for two indices), which safetensors refuses
         state.update({prefix + k: v.detach().cpu().contiguous().clone() for k, v in m.state_dict().items()})
     save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(config, indent=2, sort_keys=True)
+    for i, layer in enumerate(layers):
+        text = text.replace(f'"@layer-{i}@"', json.dumps(layer, separators=(",", ":")), 1)
+    (path / CONFIG_NAME).write_text(text + "\n")
     (path / CARD_NAME).write_text(_card(ckpt))
     return path
 
@@ -323,8 +348,12 @@ def read_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
             raise ValueError(f"the weights in {weights_file} do not fit the mapper config in {config_file}: "
                              f"{err}") from err
         mappers.append(mapper.to(map_location).eval())
-    return Checkpoint(mapper=mappers[0], proxy=proxy, target=target, training=config.get("training", {}),
-                      metrics=config.get("metrics", {}), extra_mappers=mappers[1:], layer_mappers=layer_mappers)
+    try:
+        return Checkpoint(mapper=mappers[0], proxy=proxy, target=target, training=config.get("training", {}),
+                          metrics=config.get("metrics", {}), extra_mappers=mappers[1:], layer_mappers=layer_mappers,
+                          global_quantiles=config.get("global_quantiles"))
+    except ValueError as err:
+        raise ValueError(f"{config_file} is malformed: {err}") from err
 
 
 def check_weight_shapes(mapper_config: MapperConfig, prefixes: list[str], config_file: Path,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -14,16 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..models.fingerprints import weights_digest
-from ..mapper.proxy import check_self_layers, decoder_of, proxy_features
+from ..mapper.calibration import table_as_list
+from ..models.fingerprints import digest, weights_digest
+from ..mapper.proxy import check_self_layers, proxy_features
 from ..models.layout import full_attention_layers
 from ..attention.statistics import CHUNK_SIZE, FusedStatistics, attention_sums
 from .base import BackgroundScorer, LayerInputs, Prompt
 
 if TYPE_CHECKING:
     from ..mapper.checkpoint import Checkpoint
-
-logger = logging.getLogger(__name__)
 
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
@@ -58,7 +56,7 @@ def _cpu_has_bfloat16() -> bool:
 @dataclass(kw_only=True)
 class ProxyScorer(BackgroundScorer):
     """Scores from a trained mapper checkpoint (see :mod:`proxykv_hf.mapper.checkpoint`), ranked as the mapper gives
-    them (also across layers and heads under the global budget: its logits are trained on KVzip's raw scores).
+    them; under the global budget through the checkpoint's quantile table (:meth:`global_scores`).
 
     Two algorithms, one subclass each: :class:`SeparateProxyScorer` runs a proxy (a separate small model, or a subset
     of the target's layers) and the mapper beside the target's prefill; :class:`SelfProxyScorer` maps the target's
@@ -202,7 +200,14 @@ class ProxyScorer(BackgroundScorer):
         out["checkpoint"] = {"proxy": ckpt.proxy.to_dict(), "target": ckpt.target.to_dict(),
                              "mapper": ckpt.mapper.config.to_dict(), "layer_mappers": ckpt.layer_mappers,
                              "weights": weights_digest(ckpt.mappers)}
+        if ckpt.global_quantiles is not None:  # what the global budget keeps depends on it
+            out["checkpoint"]["global_quantiles"] = digest(table_as_list(ckpt.global_quantiles))
         return out  # a separate proxy model is in the base settings: its name and a digest of its weights
+
+    def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Comparable across layers and heads through the checkpoint's quantile table
+        (:meth:`~proxykv_hf.mapper.checkpoint.Checkpoint.global_scores`)."""
+        return self.checkpoint.global_scores(scores, valid)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write the mapper checkpoint this scorer scores with (all its mappers, where its layers are scored by
@@ -435,12 +440,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     """``cuda`` and ``cuda:0`` are the same device when device 0 is the current one."""
     index = lambda d: d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()  # noqa
     return a.type == b.type and index(a) == index(b)
-
-
-def describe_runner(model) -> str:
-    """Short description of a proxy model for logs."""
-    d = decoder_of(model)
-    return f"{type(model).__name__}({len(d.layers)} layers)"
 
 
 def _name(name_or_path) -> str:

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..mapper.checkpoint import CONFIG_NAME, WEIGHTS_NAME, Checkpoint, save_checkpoint
+from .quantiles import dataset_quantiles
 from ..models.file_errors import writing
 from ..mapper.hub import load_checkpoint
 from ..mapper.model import HybridAxialMapper, MapperConfig
@@ -86,6 +87,7 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
     _fresh_accelerator_state()
     accelerator = Accelerator(cpu=not use_cuda, mixed_precision=cfg.mixed_precision if use_cuda else "no")
     main = accelerator.is_main_process
+    quantiles = dataset_quantiles(data_dir) if main else None  # the global budget's table, in every checkpoint
     if main:
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -213,7 +215,8 @@ def train_mapper(data_dir: str | os.PathLike, out_dir: str | os.PathLike, mapper
                 with writing(out / WEIGHTS_NAME):  # a full disk: an OSError naming the file
                     save_checkpoint(Checkpoint(mapper=unwrapped, proxy=manifest.proxy_spec(),
                                                target=manifest.target_spec(), training=training,
-                                               metrics={k: v for k, v in metrics.items() if k != "crops"}), out)
+                                               metrics={k: v for k, v in metrics.items() if k != "crops"},
+                                               global_quantiles=quantiles), out)
                 has_best = True
             save_last(out, unwrapped, optimizer, scheduler, state, gen, mapper_config, cfg)
             if time.perf_counter() - last_plot > PLOT_INTERVAL_S:  # long runs: a fresh figure now and then
