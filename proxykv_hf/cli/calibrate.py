@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from .helpers import add_out_arg, checkpoint_arg
@@ -18,18 +16,12 @@ def cmd_calibrate(ns) -> int:
     from ..mapper.hub import load_checkpoint
     from ..models.file_errors import writing
     from ..train.quantiles import calibrated
+    from ..train.shards import write_whole
 
     ckpt = calibrated(load_checkpoint(ns.mapper), ns.data)
     out = Path(ns.out)
-    part = out.with_name(f".{out.name}.part-{os.getpid()}")  # written whole, then renamed: never half a checkpoint
-    try:
-        with writing(out):
-            save_checkpoint(ckpt, part)
-            if out.is_dir():
-                out.rmdir()  # --out was checked to be new or empty
-            os.replace(part, out)
-    finally:
-        shutil.rmtree(part, ignore_errors=True)
+    with writing(out):  # --out was checked to be new or empty; it appears whole or not at all
+        write_whole(out, lambda tmp: save_checkpoint(ckpt, tmp))
     table = ckpt.global_quantiles
     print(f"{out}: {ns.mapper} with the quantile table of {ns.data} ({table.shape[0]} layers x {table.shape[1]} "
           f"KV heads x {table.shape[2]} points)")

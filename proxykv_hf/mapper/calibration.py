@@ -32,12 +32,12 @@ def fit_quantiles(rows: Iterable[tuple[torch.Tensor, torch.Tensor]], n: int = GR
     """The quantile table ``(L, H, n)`` of oracle scores: ``rows`` yields ``(y, valid)`` with ``y`` of shape
     ``(L, H, N)`` (a crop's or a text's oracle scores) and ``valid`` ``(N,)``; each row's log-scores at the
     percentiles of :func:`grid`, averaged over everything ``rows`` yields."""
-    total, count = None, 0
+    total, count, points = None, 0, grid(n).double()
     for y, valid in rows:
         y = y[..., valid.bool()].double()
         if y.shape[-1] < 2:
             continue
-        q = torch.quantile(torch.log(y.clamp_min(0) + FLOOR), grid(n).double(), dim=-1)  # (n, L, H)
+        q = torch.quantile(torch.log(y.clamp_min(0) + FLOOR), points, dim=-1)  # (n, L, H)
         total = q if total is None else total + q
         count += 1
     if total is None:

@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -30,6 +30,8 @@ SHARD_TENSORS = ("x", "y", "mask", "length", "start", "text")
 
 logger = logging.getLogger(__name__)
 
+
+T = TypeVar("T")
 
 def crop_starts(n: int, crop_len: int, stride: int) -> list[int]:
     """Start offsets of the crops of an ``n``-token text: every ``stride``, the last one ending at ``n``.
@@ -147,7 +149,7 @@ def merge_datasets(sources: Sequence[str | os.PathLike], out_dir: str | os.PathL
     return write_whole(out, lambda tmp: merge_into(sources, tmp))
 
 
-def write_whole(out: Path, fill: Callable[[Path], Manifest]) -> Manifest:
+def write_whole(out: Path, fill: Callable[[Path], T]) -> T:
     """Write the new or empty directory ``out`` whole or not at all: ``fill(tmp)`` writes into a temporary directory
     beside it (inside it, when it exists), which then becomes ``out`` (a rename; the files moved into an existing
     ``out``, the manifest last). On any error nothing is left, and an ``OSError`` names the file in ``out``."""
