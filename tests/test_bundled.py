@@ -54,13 +54,14 @@ def test_shipped_checkpoint_matches_smollm2_shape():
     assert logits.double().sum().item() == pytest.approx(-19878.239625692368, rel=1e-5)
 
 
-CALIBRATED = {PAIR_MAPPER}  # the bundled checkpoints holding the global budget's quantile table
+CALIBRATED = {PAIR_MAPPER, SELF_MAPPER}  # the bundled checkpoints holding the global budget's quantile table
 
 
-def test_the_pair_mappers_quantile_table_is_the_oracles_shape():
+@pytest.mark.parametrize("name", sorted(CALIBRATED))
+def test_the_qwen_mappers_quantile_table_is_the_oracles_shape(name):
     """Per target layer and KV head, 65 nondecreasing log-scores; the top of a row (the attention sinks and needles
     KVzip keeps) near log 1, the bottom far below."""
-    table = load_checkpoint(PAIR_MAPPER).global_quantiles
+    table = load_checkpoint(name).global_quantiles
     assert table.shape == (28, 2, 65) and bool((table.diff(dim=-1) >= 0).all())
     assert bool((table[..., -1] > -3).all()) and bool((table[..., 0] < table[..., -1] - 2).all())
 
@@ -173,9 +174,11 @@ def test_shipped_qwen_mappers_run_in_generate_offline(monkeypatch):
     own = ProxyKVCache.from_pretrained(SELF_MAPPER, keep_ratio=0.3)
     assert own.scorer.proxy_model is None  # the target's own attention
     for cache in (pair, own):
+        assert cache.budget == "global"  # the default of a mapper with a quantile table
         out = model.generate(**inputs, **with_cache(cache), max_new_tokens=2, do_sample=False)
         assert out.shape[1] == n + 2
-        assert cache.physical_lengths()[0] == -(-3 * n // 10) + 1
+        k, heads = -(-3 * n // 10), len(cache.layers) * model.config.num_key_value_heads
+        assert sum(cache.physical_lengths()) == heads * (k + 1)  # packed: every layer's heads, K each in all
     proxy = load_model("qwen2.5-coder-0.5b-instruct")
     again = ProxyKVCache.from_pretrained(PAIR_MAPPER, keep_ratio=0.3, proxy=proxy)
     assert again.scorer.proxy_model is proxy

@@ -144,6 +144,29 @@ def test_the_table_changes_the_global_budgets_kept_set_and_the_settings_only(tar
         assert len(heads[0]) > len(heads[1])
 
 
+def test_the_default_budget_is_global_where_scores_compare_across_heads(target, tmp_path, capsys):
+    """Unless told otherwise a cache ranks KVzip's scores and a tabled mapper's globally, as chosen on dev; other
+    scorers, a mapper without a table and the full cache keep the uniform budget; an explicit budget wins, and
+    `proxykv compress` reports the budget it used."""
+    from proxykv_hf import KVzipScorer, SnapKVScorer
+
+    ckpt = tiny_mapper_checkpoint(target)
+    tabled = replace(ckpt, global_quantiles=table_for(ckpt, torch.tensor([6.0, 0.0])))
+    assert ProxyKVCache(KVzipScorer(tiny_tokenizer()), 0.3).budget == "global"
+    assert ProxyKVCache(ProxyScorer(tabled), 0.3).budget == "global"
+    assert ProxyKVCache.from_pretrained(tabled, 0.3).fresh().budget == "global"
+    assert ProxyKVCache(ProxyScorer(ckpt), 0.3).budget == "uniform"
+    assert ProxyKVCache(SnapKVScorer(), 0.3).budget == ProxyKVCache().budget == "uniform"
+    assert ProxyKVCache(KVzipScorer(tiny_tokenizer()), 0.3, budget="uniform").budget == "uniform"
+    assert ProxyKVCache.from_pretrained(tabled, 0.3, budget="uniform").budget == "uniform"
+    with pytest.raises(ValueError, match="scorer must subclass"):
+        ProxyKVCache("kvzip", 0.3)
+    for method, budget in (("kvzip", "global"), ("snapkv", "uniform")):
+        assert main(["compress", "--tiny", "--method", method, "--keep-ratio", "0.5", "--prompt", "one two three " * 9,
+                     "--out", str(tmp_path / method)]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["budget"] == budget
+
+
 def fake_oracle(model, input_ids, attention_mask=None, tokenizer=None, **kw):
     """Stand-in for KVzip: the target's attention sums, max over each GQA group (L, B, H_kv, T)."""
     x = proxy_features(model, input_ids, attention_mask)

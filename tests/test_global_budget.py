@@ -135,6 +135,53 @@ def test_ragged_attention_by_hand():
     assert layer.held_entries() == int(keep.sum()) + B * H * 3
 
 
+def test_packed_segments_stay_in_order_and_attend_like_the_masked_reference():
+    """Appends of any length land at the end of each (row, KV head)'s segment, a crop and a row selection keep the
+    order, and the per-segment attention equals the all-entries masked reference (the path that returns weights)."""
+    torch.manual_seed(1)
+    B, H, G, T, D = 2, 3, 2, 20, 8
+    layer = ProxyKVLayer()
+    layer.update(torch.randn(B, H, T, D), torch.randn(B, H, T, D))
+    keep = torch.rand(B, H, T) < 0.3
+    keep[..., 0] = True
+    layer.compact_ragged(keep)
+
+    def check(Q):
+        order = layer.owner.long() * (layer.cumulative_length + 1) + layer.position.long()
+        assert bool((order[1:] > order[:-1]).all())  # by owner, then position: contiguous segments
+        assert torch.equal(layer.segment_counts(), torch.bincount(layer.owner.long(), minlength=layer.budgets.numel()))
+        q = torch.randn(B, H * G, Q, D)
+        fast, _ = layer.ragged_attention(q, 0.3)
+        reference, probs = layer.ragged_attention(q, 0.3, weights=True)
+        torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+        assert probs.shape == (B, H * G, Q, layer.cumulative_length)
+
+    for q in (3, 1, 1, 4):  # a chunk, two decode steps, a chunk
+        layer.update(torch.randn(B, H, q, D), torch.randn(B, H, q, D))
+        check(q)
+    layer.crop(-5)
+    check(1)
+    layer.batch_select_indices(torch.tensor([1]))
+    layer.batch_repeat_interleave(2)
+    check(2)
+    layer._counts = None  # counted again from the owners (as after a load)
+    check(1)
+
+
+def test_sort_packed_restores_the_order_of_a_shuffled_layer():
+    torch.manual_seed(2)
+    layer = ProxyKVLayer()
+    layer.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
+    layer.compact_ragged(torch.rand(1, 2, 10) < 0.5)
+    layer.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+    keys, owner, position = layer.keys.clone(), layer.owner.clone(), layer.position.clone()
+    shuffle = torch.randperm(owner.numel())
+    layer.keys, layer.values = layer.keys[:, :, shuffle], layer.values[:, :, shuffle]
+    layer.owner, layer.position, layer._counts = layer.owner[shuffle], layer.position[shuffle], None
+    layer.sort_packed()
+    assert torch.equal(layer.keys, keys) and torch.equal(layer.owner, owner) and torch.equal(layer.position, position)
+
+
 @pytest.mark.parametrize("scorer", ["kvzip", "snapkv"])
 def test_global_cache_holds_its_nominal_budget(scorer):
     """Entries held after compaction, counted from the cache's tensors: at most 1.05x the nominal budget (exactly

@@ -202,7 +202,7 @@ def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
     inputs = random_prompt(1, N, seed=6)
     kw = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     full = model.generate(**inputs, **with_cache(DynamicCache(config=model.config)), **kw)
-    cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=rho)
+    cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=rho, budget="uniform")
     out = model.generate(**inputs, **with_cache(cache), **kw)
     # the first token comes from the full prefill, untouched by the nested repeat forwards
     torch.testing.assert_close(out.logits[0], full.logits[0], rtol=0, atol=0)
@@ -232,7 +232,7 @@ def test_generate_compacts_and_never_keeps_repeat_tokens(tok, family, layers):
 def test_generate_padded_batch(tok):
     model = tiny_model("llama")
     batch = random_prompt(2, 36, lengths=[36, 25], seed=7)
-    cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=0.3)
+    cache = ProxyKVCache(KVzipScorer(tok, context_chunk=16), keep_ratio=0.3, budget="uniform")
     out = model.generate(**batch, **with_cache(cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 39)
     assert cache.layers[0].keys.shape[-2] == math.ceil(0.3 * 36) + 2
@@ -246,7 +246,7 @@ def test_tokenizer_from_model_path(tmp_path, tok, llama):
     model = tiny_model("llama")
     model.config._name_or_path = str(tmp_path)
     inputs = random_prompt(1, 30, seed=8)
-    cache = ProxyKVCache(KVzipScorer(context_chunk=16), keep_ratio=0.5)
+    cache = ProxyKVCache(KVzipScorer(context_chunk=16), keep_ratio=0.5, budget="uniform")
     with torch.no_grad():
         model(**inputs, **with_cache(cache))
     assert cache.layers[0].keys.shape[-2] == 15

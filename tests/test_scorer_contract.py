@@ -62,7 +62,7 @@ def test_scores_shape_and_higher_means_keep(setup, name):
     assert isinstance(scorer, (LayerScorer, ModelScorer))
     inputs = random_prompt(2, 120, lengths=[120, 100], seed=3)  # longer than SnapKV's window of 64
     scores = _recorded(model, scorer, inputs)
-    cache = ProxyKVCache(scorer.fresh(), keep_ratio=0.3)
+    cache = ProxyKVCache(scorer.fresh(), keep_ratio=0.3, budget="uniform")
     model.generate(**inputs, **with_cache(cache), **GEN)
     assert sorted(scores) == cache.compactable_layers()
     for i, s in scores.items():

@@ -433,10 +433,11 @@ def test_hybrid_target_keeps_full_attention_layers(tmp_path, tok, texts):
     assert item["x"].shape == (2, 4, 64) and item["y"].shape == (2, 2, 64)
     train_mapper(tmp_path / "data", tmp_path / "run", mapper_config_for(tmp_path / "data", "tiny"),
                  fast_train(epochs=1, max_steps=2))
-    cache = ProxyKVCache.from_pretrained(str(tmp_path / "run"), keep_ratio=0.3)
     enc = tok([texts[0]], return_tensors="pt")
-    out = target.generate(**enc, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
-    assert out.shape[1] == enc["input_ids"].shape[1] + 2
+    for budget in ("uniform", "global"):  # global: the table's rows are the full-attention layers, in order
+        cache = ProxyKVCache.from_pretrained(str(tmp_path / "run"), keep_ratio=0.3, budget=budget)
+        out = target.generate(**enc, **with_cache(cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == enc["input_ids"].shape[1] + 2 and cache.compactable_layers() == [2, 5]
 
 
 @pytest.mark.slow  # two Python processes under torchrun, each loading torch and transformers

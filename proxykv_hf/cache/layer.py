@@ -8,10 +8,10 @@ entries in position order, then every later token. In a padded batch each row ke
 spare slots are hidden from attention by :meth:`ProxyKVLayer.mask_spare_slots`.
 
 Under a global budget (:meth:`ProxyKVLayer.compact_ragged`) each (row, KV head) keeps its own number of entries.
-The layer then stores them **packed**: ``keys`` and ``values`` are `(1, 1, N, D)`, the kept entries of every row
-and head one after the other, with ``owner`` (``b * H_kv + h``) and ``position`` (logical index) per entry; later
-tokens are appended the same way. Nothing is padded, so the memory held is exactly the entries kept.
-:meth:`ProxyKVLayer.ragged_attention` computes each query head's attention over its own KV head's entries.
+The layer then stores them **packed**: ``keys`` and ``values`` are `(1, 1, N, D)`, the entries of every row and
+head one after the other, sorted by ``owner`` (``b * H_kv + h``, one segment each), then by ``position`` (logical
+index); a later token goes to the end of each segment. Nothing is padded, so the memory held is exactly the entries
+kept. :meth:`ProxyKVLayer.ragged_attention` computes each query head's attention over its own KV head's segment.
 
 For every forward after its compaction the cache hands the attention wrapper (:mod:`proxykv_hf.attention`) the
 layer's :class:`SpareSlots` (hide a padded batch's spare slots) or :class:`RaggedAttention` (the packed layer's own
@@ -61,6 +61,7 @@ class ProxyKVLayer(DynamicLayer):
         self.owner: torch.Tensor | None = None  # ragged: (N,) b * H_kv + h of each stored entry
         self.position: torch.Tensor | None = None  # ragged: (N,) logical index of each stored entry
         self.n_kv_heads = 0
+        self._counts: torch.Tensor | None = None  # ragged: (B * H_kv,) entries per segment, on the CPU (None: count)
         self.freed = 0  # entries per row and head that compaction dropped (the spare room's ceiling)
         self._room: _Room | None = None  # compacted: the buffer that keys / values view (see _append)
 
@@ -140,15 +141,33 @@ class ProxyKVLayer(DynamicLayer):
         self.ragged, self.compacted, self.compacted_at = True, True, self.cumulative_length
         self.kept_positions = self.slot_valid = None
         self.budgets = keep.sum(-1).cpu()  # (B, H_kv) entries kept per head
+        self._counts = self.budgets.flatten()
+
+    def segment_counts(self) -> torch.Tensor:
+        """Packed layout: `(B * H_kv,)` entries in each (row, KV head)'s segment, on the CPU (known without a device
+        sync after compaction and appends; counted once after a crop or a load)."""
+        if self._counts is None:
+            self._counts = torch.bincount(self.owner.long(), minlength=self.budgets.numel()).cpu()
+        return self._counts
+
+    def sort_packed(self) -> None:
+        """Put the packed entries in their order (by owner, then position), as a saved context is read back."""
+        order = torch.argsort(self.owner.long() * (self.cumulative_length + 1) + self.position.long())
+        self.keys, self.values = self.keys[:, :, order], self.values[:, :, order]
+        self.owner, self.position, self._counts = self.owner[order], self.position[order], None
 
     def _append_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        B, H, q, D = key_states.shape  # new tokens: every row and head gets them
+        """The ``q`` new tokens of every row and head, each at the end of its own segment."""
+        B, H, q, D = key_states.shape
         device = self.keys.device
-        owner = (torch.arange(B * H, device=device, dtype=INDEX_DTYPE)[:, None]).expand(B * H, q).reshape(-1)
-        position = (self.cumulative_length + torch.arange(q, device=device, dtype=INDEX_DTYPE)).repeat(B * H)
-        self.keys = torch.cat([self.keys, key_states.reshape(1, 1, B * H * q, D)], dim=-2)
-        self.values = torch.cat([self.values, value_states.reshape(1, 1, B * H * q, D)], dim=-2)
-        self.owner, self.position = torch.cat([self.owner, owner]), torch.cat([self.position, position])
+        counts = self.segment_counts()
+        position = (self.cumulative_length + torch.arange(q, device=device, dtype=INDEX_DTYPE)).expand(B * H, q)
+        owner = torch.arange(B * H, device=device, dtype=INDEX_DTYPE)[:, None].expand(B * H, q)
+        self.keys = _interleave(self.keys[0, 0], key_states.reshape(B * H, q, D), counts)[None, None]
+        self.values = _interleave(self.values[0, 0], value_states.reshape(B * H, q, -1), counts)[None, None]
+        self.owner = _interleave(self.owner, owner, counts)
+        self.position = _interleave(self.position, position, counts)
+        self._counts = counts + q
         self.cumulative_length += q
         return self.keys, self.values
 
@@ -161,18 +180,37 @@ class ProxyKVLayer(DynamicLayer):
         H = self.n_kv_heads
         G = Hq // H
         device = query.device
+        if not weights:
+            return self._segment_attention(query, scaling), None
         heads = torch.arange(B * H, device=device).view(B, H, 1, 1)
         q_pos = self.cumulative_length - Q + torch.arange(Q, device=device)  # (Q,)
         mine = (self.owner.view(1, 1, 1, -1) == heads) & (self.position.view(1, 1, 1, -1) <= q_pos.view(1, 1, Q, 1))
         mine = mine[:, :, None].expand(B, H, G, Q, mine.shape[-1]).reshape(B, H, G * Q, -1)  # (B, H_kv, G*Q, N)
         logits = torch.matmul(query.reshape(B, H, G * Q, D), self.keys[0, 0].transpose(0, 1)).float() * scaling
         probs = logits.masked_fill(~mine, -math.inf).softmax(-1).to(self.values.dtype)  # (B, H_kv, G*Q, N)
-        out = torch.matmul(probs, self.values[0, 0]).view(B, Hq, Q, D)
-        if not weights:
-            return out, None
+        out = torch.matmul(probs, self.values[0, 0]).view(B, Hq, Q, -1)
         L = self.cumulative_length
         logical = probs.new_zeros(B, H, G * Q, L).scatter_add_(-1, self.position.long().expand(B, H, G * Q, -1), probs)
         return out, logical.view(B, Hq, Q, L)
+
+    def _segment_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """:meth:`ragged_attention`'s output, one softmax per (row, KV head) over its own segment (a view): the query
+        heads of a group are its queries, each seeing the entries at or before its position."""
+        B, Hq, Q, D = query.shape
+        H = self.n_kv_heads
+        G = Hq // H
+        out = query.new_empty(B, Hq, Q, self.values.shape[-1])
+        q_pos = self.cumulative_length - Q + torch.arange(Q, device=query.device)
+        start = 0
+        for o, n in enumerate(self.segment_counts().tolist()):
+            b, h = divmod(o, H)
+            keys, values = self.keys[0, 0, start:start + n], self.values[0, 0, start:start + n]  # (n, D)
+            logits = (query[b, h * G:(h + 1) * G].reshape(G * Q, D) @ keys.T).float() * scaling  # (G*Q, n)
+            if Q > 1:
+                logits = logits.masked_fill((self.position[start:start + n] > q_pos[:, None]).repeat(G, 1), -math.inf)
+            out[b, h * G:(h + 1) * G] = (logits.softmax(-1).to(values.dtype) @ values).view(G, Q, -1)
+            start += n
+        return out
 
     def kept_sets(self) -> list[list[torch.Tensor]]:
         """The prompt positions each row keeps per KV head: ``[b][h]`` sorted 1-D tensors."""
@@ -239,9 +277,10 @@ class ProxyKVLayer(DynamicLayer):
             raise ValueError(f"cannot crop {n} tokens: only the {self.cumulative_length - self.compacted_at} "
                              "tokens added after the compressed prompt can be removed")
         if self.ragged:
-            keep = self.position < self.cumulative_length - n
+            keep = self.position < self.cumulative_length - n  # each segment loses its last n entries
             self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
             self.owner, self.position = self.owner[keep], self.position[keep]
+            self._counts = self._counts - n if self._counts is not None else None
         else:
             super().crop(-n)
         self.cumulative_length -= n
@@ -264,6 +303,7 @@ class ProxyKVLayer(DynamicLayer):
         new_row = torch.cat([torch.full_like(p, r) for r, p in enumerate(picks)]).to(self.owner.dtype)
         self.keys, self.values = self.keys[:, :, index], self.values[:, :, index]
         self.owner, self.position = new_row * H + self.owner[index] % H, self.position[index]
+        self._counts = None if self._counts is None else self._counts.view(-1, H)[rows.cpu()].flatten()
         self.budgets = self.budgets[rows.cpu()]
 
     def _batch_op(self, rows: torch.Tensor, dense) -> None:
@@ -305,6 +345,15 @@ class _Room:
         self.keys[:, :, :T].copy_(keys)
         self.values[:, :, :T].copy_(values)
         self.fill = T
+
+
+def _interleave(packed: torch.Tensor, new: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``packed`` `(N, ...)`, segments of ``counts`` entries, with ``new[o]`` `(q, ...)` at the end of segment ``o``:
+    one concatenation."""
+    pieces = []
+    for segment, tail in zip(packed.split(counts.tolist()), new):
+        pieces += (segment, tail)
+    return torch.cat(pieces)
 
 
 def held_tensors(layer):

@@ -58,12 +58,11 @@ class ProxyKVCache(DynamicCache):
         config: the model config; lays out sliding / full layers up front. Optional: without it the layout is
             taken from the model at the first prefill.
         fuse_statistics: let a scorer's attention statistics come out of the layer's own attention pass where
-            that pays (:class:`~proxykv_hf.attention.statistics.FusedStatistics`); False runs the model's attention,
-            then them.
-        budget: ``"uniform"`` (every KV head of every layer keeps ``K``) or ``"global"`` (each row keeps the
-            best ``L * H_kv * K`` entries of all compacted layers and heads together, at least
-            ``ceil(0.2 * K)`` per head, stored without padding; :func:`~proxykv_hf.cache.selection.select_global`). The
-            global budget scores every layer before compacting any, so the prefill holds the full K/V of all layers.
+            that pays (:class:`~proxykv_hf.attention.statistics.FusedStatistics`); False runs attention, then them.
+        budget: ``"uniform"`` (every KV head of every layer keeps ``K``) or ``"global"`` (each row keeps the best
+            ``L * H_kv * K`` entries of all layers and heads, at least ``ceil(0.2 * K)`` per head, packed:
+            :func:`~proxykv_hf.cache.selection.select_global`; the prefill holds every layer's full K/V until the
+            last is scored). None: the scorer's :attr:`~proxykv_hf.scorers.base.Scorer.default_budget`.
 
     Example::
 
@@ -76,18 +75,19 @@ class ProxyKVCache(DynamicCache):
     """
 
     def __init__(self, scorer: Scorer | None = None, keep_ratio: float | None = None, *, n_sink: int = 0,
-                 n_recent: int = 0, config=None, fuse_statistics: bool = True, budget: str = "uniform"):
+                 n_recent: int = 0, config=None, fuse_statistics: bool = True, budget: str | None = None):
         keep_ratio = (1.0 if scorer is None else DEFAULT_KEEP_RATIO) if keep_ratio is None else keep_ratio
         self.keep_ratio = check_keep_ratio(keep_ratio, scored=scorer is not None, fix="ProxyKVCache(SnapKVScorer(), "
                                            "keep_ratio=...) or ProxyKVCache.from_pretrained(mapper, keep_ratio=...)")
+        if scorer is not None and not isinstance(scorer, (LayerScorer, ModelScorer)):
+            raise ValueError(f"scorer must subclass LayerScorer or ModelScorer, got {type(scorer).__name__}")
+        budget = ("uniform" if scorer is None else scorer.default_budget) if budget is None else budget
         if budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
         self.budget = budget
         for name, value in (("n_sink", n_sink), ("n_recent", n_recent)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if scorer is not None and not isinstance(scorer, (LayerScorer, ModelScorer)):
-            raise ValueError(f"scorer must subclass LayerScorer or ModelScorer, got {type(scorer).__name__}")
         self.scorer = None if scorer is None else scorer.fresh()
         self._settings = dict(n_sink=n_sink, n_recent=n_recent, config=config, fuse_statistics=fuse_statistics,
                               budget=budget)

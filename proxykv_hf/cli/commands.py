@@ -132,7 +132,7 @@ def cmd_compress(ns) -> int:
     path = context.save(ns.out)
     print(json.dumps({"out": str(path), "tokens": context.num_tokens, "kv_bytes": context.nbytes,
                       "disk_bytes": sum(f.stat().st_size for f in path.iterdir()), "method": ns.method,
-                      "keep_ratio": context.cache.keep_ratio, "budget": ns.budget}))
+                      "keep_ratio": context.cache.keep_ratio, "budget": context.cache.budget}))
     return 0
 
 
@@ -315,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="proxykv", choices=METHODS)
     p.add_argument("--keep-ratio", type=keep_ratio_arg, default=DEFAULT_KEEP_RATIO,
                    help="share of the prompt's K/V kept, in (0, 1]")
-    p.add_argument("--budget", default="uniform", choices=["uniform", "global"],
-                   help="the same share for every KV head, or ranked over all layers and heads together")
+    p.add_argument("--budget", choices=["uniform", "global"],
+                   help="one share per KV head, or one ranking over all (default: global for kvzip, tabled mappers)")
     p.add_argument("--prompt", help="the (long) prompt; or --prompt-file")
     p.add_argument("--prompt-file", type=text_file_arg,
                    help="a text file holding the prompt (read instead of --prompt)")

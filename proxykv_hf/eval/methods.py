@@ -194,7 +194,7 @@ def compacted_batch(recorded: RecordingCache, keep_ratios: list[float], *, score
     scores = recorded.scores if scores is None else scores
     rows = len(keep_ratios)
     new = ProxyKVCache(scorer, max(keep_ratios), n_sink=max(recorded.n_sink, getattr(scorer, "n_sink", 0)),
-                       n_recent=max(recorded.n_recent, getattr(scorer, "n_recent", 0)))
+                       n_recent=max(recorded.n_recent, getattr(scorer, "n_recent", 0)), budget="uniform")
     new.layer_class_to_replicate = None
     new.layers = _twin_layers(recorded, rows)
     prompt = recorded.prompt

@@ -192,10 +192,16 @@ class Checkpoint:
 
     def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
         """Each target layer's logits ``(B, H_kv, T)`` made comparable across layers and heads through the
-        quantile table (:func:`~proxykv_hf.mapper.calibration.calibrate`); as they are without one."""
+        quantile table (:func:`~proxykv_hf.mapper.calibration.calibrate`); as they are without one. ``scores`` holds
+        every layer the mapper scores, keyed by cache layer index: the k-th in order reads the table's k-th row (a
+        hybrid model's cache indices skip its sliding layers)."""
         if self.global_quantiles is None:
             return scores
-        return {i: calibrate(s, valid.to(s.device), self.global_quantiles[i]) for i, s in scores.items()}
+        if len(scores) != self.global_quantiles.shape[0]:
+            raise ValueError(f"the quantile table has {self.global_quantiles.shape[0]} layers, the scores "
+                             f"{len(scores)}")
+        return {i: calibrate(scores[i], valid.to(scores[i].device), self.global_quantiles[k])
+                for k, i in enumerate(sorted(scores))}
 
     def check_target(self, config) -> None:
         """Raise if a target model's config does not match the one the mapper was trained for.

@@ -105,11 +105,15 @@ class Scorer:
         n_sink: first real tokens this method always keeps (merged with the cache's own setting by max).
         n_recent: last real tokens this method always keeps.
         needs_input_ids: the prompt's token ids are required (the cache refuses ``inputs_embeds`` otherwise).
+        default_budget: the budget a :class:`~proxykv_hf.cache.proxykv_cache.ProxyKVCache` gives this scorer unless
+            told otherwise: ``"uniform"``, or ``"global"`` where the scores compare across layers and heads (KVzip,
+            a mapper with a quantile table).
     """
 
     n_sink: int = 0
     n_recent: int = 0
     needs_input_ids: bool = False
+    default_budget = "uniform"
 
     def fresh(self) -> "Scorer":
         """A scorer for a new cache: ``self`` when stateless, a clean copy otherwise (sharing heavy parts)."""

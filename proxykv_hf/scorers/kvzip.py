@@ -87,10 +87,12 @@ class KVzipScorer(ModelScorer):
         out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= before transformers 5.24
 
     The scorer runs ``ceil(T / context_chunk)`` extra forwards of about ``context_chunk + 30`` tokens each over the full
-    context: about 1-2 prefills of extra compute.
+    context: about 1-2 prefills of extra compute. Its scores are one softmax over the whole reconstruction, so they
+    compare across layers and heads: a cache ranks them under the global budget unless given ``budget=``.
     """
 
     needs_input_ids = True
+    default_budget = "global"
 
     tokenizer: object = field(default=None, kw_only=False, repr=False)
     context_chunk: int = 2048

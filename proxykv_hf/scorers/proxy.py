@@ -204,6 +204,10 @@ class ProxyScorer(BackgroundScorer):
             out["checkpoint"]["global_quantiles"] = digest(table_as_list(ckpt.global_quantiles))
         return out  # a separate proxy model is in the base settings: its name and a digest of its weights
 
+    @property
+    def default_budget(self) -> str:  # global where the checkpoint's quantile table makes heads comparable
+        return "uniform" if self.checkpoint.global_quantiles is None else "global"
+
     def global_scores(self, scores: dict[int, torch.Tensor], valid: torch.Tensor) -> dict[int, torch.Tensor]:
         """Comparable across layers and heads through the checkpoint's quantile table
         (:meth:`~proxykv_hf.mapper.checkpoint.Checkpoint.global_scores`)."""
@@ -228,8 +232,7 @@ class ProxyScorer(BackgroundScorer):
         :meth:`save_pretrained` writes it; returns the commit URL."""
         from ..mapper.hub import push_to_hub
 
-        return push_to_hub(self.checkpoint, repo_id, private=private, token=token,
-                           commit_message=commit_message)
+        return push_to_hub(self.checkpoint, repo_id, private=private, token=token, commit_message=commit_message)
 
     def _check(self, prompt: Prompt) -> None:
         model = prompt.model
