@@ -168,7 +168,9 @@ def test_packed_segments_stay_in_order_and_attend_like_the_masked_reference():
     check(1)
 
 
-def test_sort_packed_restores_the_order_of_a_shuffled_layer():
+def test_a_layer_laid_out_in_another_order_is_sorted_before_use():
+    """Entries out of segment order (as a layer of an older release held them) are sorted the first time the
+    segments are counted, so appends and attention see contiguous segments."""
     torch.manual_seed(2)
     layer = ProxyKVLayer()
     layer.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
@@ -177,8 +179,9 @@ def test_sort_packed_restores_the_order_of_a_shuffled_layer():
     keys, owner, position = layer.keys.clone(), layer.owner.clone(), layer.position.clone()
     shuffle = torch.randperm(owner.numel())
     layer.keys, layer.values = layer.keys[:, :, shuffle], layer.values[:, :, shuffle]
-    layer.owner, layer.position, layer._counts = layer.owner[shuffle], layer.position[shuffle], None
-    layer.sort_packed()
+    layer.owner, layer.position = layer.owner[shuffle], layer.position[shuffle]
+    del layer._counts  # unpickled from a release without it
+    assert layer.segment_counts().tolist() == torch.bincount(owner.long()).tolist()
     assert torch.equal(layer.keys, keys) and torch.equal(layer.owner, owner) and torch.equal(layer.position, position)
 
 

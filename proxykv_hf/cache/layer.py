@@ -145,14 +145,20 @@ class ProxyKVLayer(DynamicLayer):
 
     def segment_counts(self) -> torch.Tensor:
         """Packed layout: `(B * H_kv,)` entries in each (row, KV head)'s segment, on the CPU (known without a device
-        sync after compaction and appends; counted once after a crop or a load)."""
-        if self._counts is None:
+        sync after compaction and appends; counted once after a load, where entries out of order are sorted first)."""
+        if getattr(self, "_counts", None) is None:
+            key = self._order_key()
+            if bool((key[1:] < key[:-1]).any()):  # laid out otherwise (a layer of an older release)
+                self.sort_packed()
             self._counts = torch.bincount(self.owner.long(), minlength=self.budgets.numel()).cpu()
         return self._counts
 
+    def _order_key(self) -> torch.Tensor:
+        return self.owner.long() * (self.cumulative_length + 1) + self.position.long()
+
     def sort_packed(self) -> None:
-        """Put the packed entries in their order (by owner, then position), as a saved context is read back."""
-        order = torch.argsort(self.owner.long() * (self.cumulative_length + 1) + self.position.long())
+        """Put the packed entries in their order: by owner, then position."""
+        order = torch.argsort(self._order_key())
         self.keys, self.values = self.keys[:, :, order], self.values[:, :, order]
         self.owner, self.position, self._counts = self.owner[order], self.position[order], None
 
@@ -280,7 +286,7 @@ class ProxyKVLayer(DynamicLayer):
             keep = self.position < self.cumulative_length - n  # each segment loses its last n entries
             self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
             self.owner, self.position = self.owner[keep], self.position[keep]
-            self._counts = self._counts - n if self._counts is not None else None
+            self._counts = None if getattr(self, "_counts", None) is None else self._counts - n
         else:
             super().crop(-n)
         self.cumulative_length -= n
@@ -303,7 +309,8 @@ class ProxyKVLayer(DynamicLayer):
         new_row = torch.cat([torch.full_like(p, r) for r, p in enumerate(picks)]).to(self.owner.dtype)
         self.keys, self.values = self.keys[:, :, index], self.values[:, :, index]
         self.owner, self.position = new_row * H + self.owner[index] % H, self.position[index]
-        self._counts = None if self._counts is None else self._counts.view(-1, H)[rows.cpu()].flatten()
+        counts = getattr(self, "_counts", None)
+        self._counts = None if counts is None else counts.view(-1, H)[rows.cpu()].flatten()
         self.budgets = self.budgets[rows.cpu()]
 
     def _batch_op(self, rows: torch.Tensor, dense) -> None:

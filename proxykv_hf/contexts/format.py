@@ -376,8 +376,6 @@ def _fill(cache, state: dict, tensors: dict[str, torch.Tensor], model, dtype: st
         if (keys.shape[0] != batch) if not layer.ragged else (keys.shape[:2] != (1, 1) or
                                                               layer.owner.shape[0] != keys.shape[2]):
             raise ValueError(f"{file}: layer {i} holds K/V of shape {tuple(keys.shape)}, not of a batch of {batch}")
-        if layer.ragged:
-            layer.sort_packed()
     valid = tensors["prompt.valid"].to(model.device)
     ids = tensors.get("conversation.ids")
     prompt_ids = tensors.get("prompt.input_ids")
