@@ -167,12 +167,13 @@ class ProxyKVLayer(DynamicLayer):
         B, H, q, D = key_states.shape
         device = self.keys.device
         counts = self.segment_counts()
+        sizes = counts.tolist()  # once for the four tensors
         position = (self.cumulative_length + torch.arange(q, device=device, dtype=INDEX_DTYPE)).expand(B * H, q)
         owner = torch.arange(B * H, device=device, dtype=INDEX_DTYPE)[:, None].expand(B * H, q)
-        self.keys = _interleave(self.keys[0, 0], key_states.reshape(B * H, q, D), counts)[None, None]
-        self.values = _interleave(self.values[0, 0], value_states.reshape(B * H, q, -1), counts)[None, None]
-        self.owner = _interleave(self.owner, owner, counts)
-        self.position = _interleave(self.position, position, counts)
+        self.keys = _interleave(self.keys[0, 0], key_states.reshape(B * H, q, D), sizes)[None, None]
+        self.values = _interleave(self.values[0, 0], value_states.reshape(B * H, q, -1), sizes)[None, None]
+        self.owner = _interleave(self.owner, owner, sizes)
+        self.position = _interleave(self.position, position, sizes)
         self._counts = counts + q
         self.cumulative_length += q
         return self.keys, self.values
@@ -354,11 +355,11 @@ class _Room:
         self.fill = T
 
 
-def _interleave(packed: torch.Tensor, new: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``packed`` `(N, ...)`, segments of ``counts`` entries, with ``new[o]`` `(q, ...)` at the end of segment ``o``:
+def _interleave(packed: torch.Tensor, new: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``packed`` `(N, ...)`, segments of ``sizes`` entries, with ``new[o]`` `(q, ...)` at the end of segment ``o``:
     one concatenation."""
     pieces = []
-    for segment, tail in zip(packed.split(counts.tolist()), new):
+    for segment, tail in zip(packed.split(sizes), new):
         pieces += (segment, tail)
     return torch.cat(pieces)
 

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+
 def crop_starts(n: int, crop_len: int, stride: int) -> list[int]:
     """Start offsets of the crops of an ``n``-token text: every ``stride``, the last one ending at ``n``.
 
