@@ -168,21 +168,29 @@ def test_packed_segments_stay_in_order_and_attend_like_the_masked_reference():
     check(1)
 
 
-def test_a_layer_laid_out_in_another_order_is_sorted_before_use():
-    """Entries out of segment order (as a layer of an older release held them) are sorted the first time the
-    segments are counted, so appends and attention see contiguous segments."""
+def test_a_layer_laid_out_as_a_file_or_an_older_release_holds_it_is_put_in_order_before_use():
+    """A packed layer with the later tokens inside its segments, out of order and without a tail (a saved context's
+    layout; a layer unpickled from an older release) is sorted and its later tokens moved to the tail the first time
+    it is used: it then keeps, attends and saves as the layer it was made from."""
     torch.manual_seed(2)
     layer = ProxyKVLayer()
     layer.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
     layer.compact_ragged(torch.rand(1, 2, 10) < 0.5)
     layer.update(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
-    keys, owner, position = layer.keys.clone(), layer.owner.clone(), layer.position.clone()
-    shuffle = torch.randperm(owner.numel())
-    layer.keys, layer.values = layer.keys[:, :, shuffle], layer.values[:, :, shuffle]
-    layer.owner, layer.position = layer.owner[shuffle], layer.position[shuffle]
-    del layer._counts  # unpickled from a release without it
-    assert layer.segment_counts().tolist() == torch.bincount(owner.long()).tolist()
-    assert torch.equal(layer.keys, keys) and torch.equal(layer.owner, owner) and torch.equal(layer.position, position)
+    saved = {name: t.clone() for name, t in layer.saved_tensors().items()}
+    assert saved["keys"].shape[2] == layer.held_entries() == int(layer.budgets.sum()) + 2 * 2
+    q = torch.randn(1, 6, 1, 4)
+    want = layer.ragged_attention(q, 0.5)[0]
+    old = ProxyKVLayer()
+    old.__dict__.update({k: v for k, v in vars(layer).items() if k not in ("tail_keys", "tail_values", "_counts")})
+    shuffle = torch.randperm(saved["owner"].numel())
+    old.keys, old.values = saved["keys"][:, :, shuffle], saved["values"][:, :, shuffle]
+    old.owner, old.position = saved["owner"][shuffle], saved["position"][shuffle]
+    assert old.segment_counts().tolist() == layer.segment_counts().tolist()
+    assert torch.equal(old.tail_keys, layer.tail_keys) and torch.equal(old.keys, layer.keys)
+    assert all(torch.equal(a, b) for a, b in zip(old.kept_sets()[0], layer.kept_sets()[0]))
+    torch.testing.assert_close(old.ragged_attention(q, 0.5)[0], want)
+    assert all(torch.equal(old.saved_tensors()[name], t) for name, t in saved.items())
 
 
 @pytest.mark.parametrize("scorer", ["kvzip", "snapkv"])
@@ -198,7 +206,7 @@ def test_global_cache_holds_its_nominal_budget(scorer):
     k = keep_counts(inputs["attention_mask"].sum(-1), 0.2, cache.n_sink + cache.n_recent)
     nominal = int(k.sum()) * L * H
     later = 4 * 2 * H * L  # the fed-back generated tokens
-    held = sum(layer.keys.shape[-2] for layer in cache.layers)  # packed (1, 1, N, D) per layer
+    held = sum(layer.keys.shape[-2] + layer.tail_keys.shape[:3].numel() for layer in cache.layers)  # packed + tail
     assert held == cache.held_entries() <= 1.05 * nominal + later
     counts = torch.stack([layer.budgets for layer in cache.layers])  # (L, B, H_kv)
     assert len(set(counts[:, 0].flatten().tolist())) > 1  # non-uniform across layers and heads
@@ -223,6 +231,8 @@ def test_crop_and_batch_ops_on_the_packed_layout():
         assert a.cumulative_length == b.cumulative_length == 62
         assert torch.equal(a.owner, b.owner) and torch.equal(a.position, b.position)
         torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.tail_keys, b.tail_keys)  # the 2 later tokens, after the crop too
+        assert a.tail_keys.shape[2] == 2
     with pytest.raises(ValueError, match="cannot crop"):
         long.crop(59)
     sets = short.kept_sets()

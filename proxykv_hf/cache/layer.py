@@ -7,11 +7,14 @@ after :meth:`ProxyKVLayer.compact` it holds, per KV head, the kept prompt
 entries in position order, then every later token. In a padded batch each row keeps its own budget; a shorter row's
 spare slots are hidden from attention by :meth:`ProxyKVLayer.mask_spare_slots`.
 
-Under a global budget (:meth:`ProxyKVLayer.compact_ragged`) each (row, KV head) keeps its own number of entries.
-The layer then stores them **packed**: ``keys`` and ``values`` are `(1, 1, N, D)`, the entries of every row and
-head one after the other, sorted by ``owner`` (``b * H_kv + h``, one segment each), then by ``position`` (logical
-index); a later token goes to the end of each segment. Nothing is padded, so the memory held is exactly the entries
-kept. :meth:`ProxyKVLayer.ragged_attention` computes each query head's attention over its own KV head's segment.
+Under a global budget (:meth:`ProxyKVLayer.compact_ragged`) each (row, KV head) keeps its own number of prompt
+entries. The layer then stores them **packed**: ``keys`` and ``values`` are `(1, 1, N, D)`, the entries of every row
+and head one after the other, sorted by ``owner`` (``b * H_kv + h``, one segment each), then by ``position`` (logical
+index). Nothing is padded, so the memory held is exactly the entries kept. The tokens after the prompt are the same
+for every head: they go to ``tail_keys`` / ``tail_values`` `(B, H_kv, t, D)`, written into spare room as the uniform
+layout's (a decode step copies only the new entries). :meth:`ProxyKVLayer.ragged_attention` computes each query
+head's attention over its own KV head's segment and the tail, in one softmax. A saved context stores the tail inside
+the segments (:meth:`ProxyKVLayer.saved_tensors`), as the format always has.
 
 For every forward after its compaction the cache hands the attention wrapper (:mod:`proxykv_hf.attention`) the
 layer's :class:`SpareSlots` (hide a padded batch's spare slots) or :class:`RaggedAttention` (the packed layer's own
@@ -29,6 +32,8 @@ from .selection import select_topk
 
 INDEX_DTYPE = torch.int32
 """The dtype of the global budget's packed ``owner`` and ``position`` indices (4 bytes each per stored entry)."""
+LAYER_TENSORS = ("keys", "values", "kept_positions", "budgets", "slot_valid", "owner", "position")
+"""The tensors a saved context holds of a layer (:meth:`ProxyKVLayer.saved_tensors`)."""
 
 
 class ProxyKVLayer(DynamicLayer):
@@ -63,7 +68,9 @@ class ProxyKVLayer(DynamicLayer):
         self.n_kv_heads = 0
         self._counts: torch.Tensor | None = None  # ragged: (B * H_kv,) entries per segment, on the CPU (None: count)
         self.freed = 0  # entries per row and head that compaction dropped (the spare room's ceiling)
-        self._room: _Room | None = None  # compacted: the buffer that keys / values view (see _append)
+        self._room: _Room | None = None  # compacted: the buffer that keys / values (ragged: the tail) view
+        self.tail_keys: torch.Tensor | None = None  # ragged: (B, H_kv, t, D) the tokens after the prompt
+        self.tail_values: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.ragged:
@@ -71,27 +78,27 @@ class ProxyKVLayer(DynamicLayer):
         self.cumulative_length += key_states.shape[-2]
         if not self.compacted:
             return super().update(key_states, value_states, *args, **kwargs)
-        return self._append(key_states, value_states)
+        self.keys, self.values = self._into_room(self.keys, self.values, key_states, value_states)
+        return self.keys, self.values
 
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Tokens after the compressed prompt, written into spare room at the end of a larger buffer, so that a
-        decode step copies only the new entries (a plain ``DynamicLayer`` copies the whole layer every step).
+    def _into_room(self, keys, values, key_states, value_states) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` / ``values`` `(B, H_kv, T, D)` with the new states after them (the tokens after the compressed
+        prompt): views of the filled part of a buffer with room at its end (:class:`_Room`), so that a decode step
+        copies only the new entries (a plain ``DynamicLayer`` copies the whole layer every step).
 
-        ``keys`` / ``values`` stay views of the buffer's filled part. The buffer is written in place only by the
-        layer whose view ends where the buffer's filled part ends; a copy sharing it (a snapshot restored, a
-        ``compacted_copy`` twin, a crop) finds another end and moves to a buffer of its own, so that appends never
-        change what another holder sees. The room is at most what compaction freed (``freed``): the buffer never
-        holds more entries than a full layer would."""
-        n, T = key_states.shape[-2], self.keys.shape[-2]
+        The buffer is written in place only by the layer whose view ends where the buffer's filled part ends; a copy
+        sharing it (a snapshot restored, a ``compacted_copy`` twin, a crop) finds another end and moves to a buffer
+        of its own, so that appends never change what another holder sees. The room is at most what compaction freed
+        (``freed``): the buffer never holds more entries than a full layer would."""
+        n, T = key_states.shape[-2], keys.shape[-2]
         room = self._room
         if room is None or room.fill != T or T + n > room.keys.shape[-2] or \
-                room.keys.data_ptr() != self.keys.data_ptr() or room.keys.shape[:2] != self.keys.shape[:2]:
-            room = self._room = _Room(self.keys, self.values, extra=max(n, min(max(2 * n, self.ROOM), self.freed)))
+                room.keys.data_ptr() != keys.data_ptr() or room.keys.shape[:2] != keys.shape[:2]:
+            room = self._room = _Room(keys, values, extra=max(n, min(max(2 * n, self.ROOM), self.freed)))
         room.keys[:, :, T:T + n].copy_(key_states)
         room.values[:, :, T:T + n].copy_(value_states)
         room.fill = T + n
-        self.keys, self.values = room.keys[:, :, :T + n], room.values[:, :, :T + n]
-        return self.keys, self.values
+        return room.keys[:, :, :T + n], room.values[:, :, :T + n]
 
     def compact(self, indices: torch.Tensor | None, *, budgets: torch.Tensor | None = None,
                 slot_valid: torch.Tensor | None = None) -> None:
@@ -134,6 +141,8 @@ class ProxyKVLayer(DynamicLayer):
         b, h, t = keep.nonzero(as_tuple=True)  # row-major: row, then head, then position
         device = self.keys.device
         b, h, t = b.to(device), h.to(device), t.to(device)
+        self.tail_keys, self.tail_values = self.keys.new_empty(B, H, 0, self.keys.shape[-1]), \
+            self.values.new_empty(B, H, 0, self.values.shape[-1])  # the tokens after the prompt: none yet
         self.keys = self.keys[b, h, t][None, None]  # (1, 1, N, D)
         self.values = self.values[b, h, t][None, None]
         # (N,) int32 each, owning their storage: 8 bytes per kept entry, as the uniform layout's int64 kept_positions
@@ -142,89 +151,109 @@ class ProxyKVLayer(DynamicLayer):
         self.kept_positions = self.slot_valid = None
         self.budgets = keep.sum(-1).cpu()  # (B, H_kv) entries kept per head
         self._counts = self.budgets.flatten()
+        self.freed = T - int(self._counts.sum()) // (B * H)  # per head, on average: the tail's room
 
     def segment_counts(self) -> torch.Tensor:
-        """Packed layout: `(B * H_kv,)` entries in each (row, KV head)'s segment, on the CPU (known without a device
-        sync after compaction and appends; counted once after a load, where entries out of order are sorted first)."""
+        """Packed layout: `(B * H_kv,)` prompt entries in each (row, KV head)'s segment, on the CPU (known without a
+        device sync after compaction; counted once after a load, where the layout is put in order first)."""
+        if getattr(self, "tail_keys", None) is None:
+            self._split_tail()
         if getattr(self, "_counts", None) is None:
-            key = self._order_key()
-            if bool((key[1:] < key[:-1]).any()):  # laid out otherwise (a layer of an older release)
-                self.sort_packed()
             self._counts = torch.bincount(self.owner.long(), minlength=self.budgets.numel()).cpu()
         return self._counts
 
-    def _order_key(self) -> torch.Tensor:
-        return self.owner.long() * (self.cumulative_length + 1) + self.position.long()
+    def _split_tail(self) -> None:
+        """A packed layer as a saved context (or an older release) holds it, the later tokens inside the segments,
+        maybe out of order: sorted by owner, then position, and the later tokens moved to the tail."""
+        key = self.owner.long() * (self.cumulative_length + 1) + self.position.long()
+        if bool((key[1:] < key[:-1]).any()):
+            order = torch.argsort(key)
+            self.keys, self.values = self.keys[:, :, order], self.values[:, :, order]
+            self.owner, self.position = self.owner[order], self.position[order]
+        B, H, t = self.budgets.shape[0], self.n_kv_heads, self.cumulative_length - self.compacted_at
+        later = self.position >= self.compacted_at
+        self.tail_keys = self.keys[0, 0, later].view(B, H, t, -1)
+        self.tail_values = self.values[0, 0, later].view(B, H, t, -1)
+        if t:
+            prompt = ~later
+            self.keys, self.values = self.keys[:, :, prompt], self.values[:, :, prompt]
+            self.owner, self.position = self.owner[prompt], self.position[prompt]
+        self._counts = None
 
-    def sort_packed(self) -> None:
-        """Put the packed entries in their order: by owner, then position."""
-        order = torch.argsort(self._order_key())
-        self.keys, self.values = self.keys[:, :, order], self.values[:, :, order]
-        self.owner, self.position, self._counts = self.owner[order], self.position[order], None
+    def saved_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a saved context stores (:data:`LAYER_TENSORS`, those that are set); a packed layer's
+        tail goes at the end of each segment, so that the file holds one packed `(1, 1, N, D)` layout."""
+        sizes = self.segment_counts().tolist() if self.ragged else None  # the layout in order first
+        found = {name: getattr(self, name) for name in LAYER_TENSORS if getattr(self, name) is not None}
+        if sizes is not None and self.tail_keys.shape[2]:
+            B, H, t, D = self.tail_keys.shape
+            at = torch.arange(t, device=self.keys.device, dtype=INDEX_DTYPE)
+            tail = {"keys": self.tail_keys.reshape(B * H, t, D), "values": self.tail_values.reshape(B * H, t, -1),
+                    "owner": torch.arange(B * H, device=at.device, dtype=INDEX_DTYPE)[:, None].expand(-1, t),
+                    "position": (self.compacted_at + at).expand(B * H, t)}
+            for name, later in tail.items():
+                packed = _interleave(found[name].flatten(0, -2) if name in ("keys", "values") else found[name],
+                                     later, sizes)
+                found[name] = packed[None, None] if name in ("keys", "values") else packed
+        return found
 
     def _append_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """The ``q`` new tokens of every row and head, each at the end of its own segment."""
-        B, H, q, D = key_states.shape
-        device = self.keys.device
-        counts = self.segment_counts()
-        sizes = counts.tolist()  # once for the four tensors
-        position = (self.cumulative_length + torch.arange(q, device=device, dtype=INDEX_DTYPE)).expand(B * H, q)
-        owner = torch.arange(B * H, device=device, dtype=INDEX_DTYPE)[:, None].expand(B * H, q)
-        self.keys = _interleave(self.keys[0, 0], key_states.reshape(B * H, q, D), sizes)[None, None]
-        self.values = _interleave(self.values[0, 0], value_states.reshape(B * H, q, -1), sizes)[None, None]
-        self.owner = _interleave(self.owner, owner, sizes)
-        self.position = _interleave(self.position, position, sizes)
-        self._counts = counts + q
-        self.cumulative_length += q
+        """The ``q`` new tokens of every row and head, at the end of the tail (in its spare room)."""
+        self.segment_counts()  # the layout in order, the tail apart
+        self.tail_keys, self.tail_values = self._into_room(self.tail_keys, self.tail_values, key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
         return self.keys, self.values
 
     def ragged_attention(self, query: torch.Tensor, scaling: float, *, weights: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of ``query`` `(B, H, Q, D)` (the last ``Q`` positions) over each head's own packed entries,
-        causal by position: the output `(B, H, Q, D)` and, with ``weights``, the attention probabilities over the
-        logical positions `(B, H, Q, L)` (0 at the dropped ones), as eager attention returns them."""
+        """Attention of ``query`` `(B, H, Q, D)` (the last ``Q`` positions) over each head's own packed entries and
+        the tail, causal by position: the output `(B, H, Q, D)` and, with ``weights``, the attention probabilities
+        over the logical positions `(B, H, Q, L)` (0 at the dropped ones), as eager attention returns them."""
         B, Hq, Q, D = query.shape
         H = self.n_kv_heads
         G = Hq // H
-        device = query.device
+        counts = self.segment_counts().tolist()
+        q = query.reshape(B, H, G * Q, D)  # a KV head's query heads, each with its Q queries
+        t = self.tail_keys.shape[2]
+        tail = torch.matmul(q, self.tail_keys.transpose(-1, -2)).float() * scaling  # (B, H_kv, G*Q, t)
+        if Q > 1:  # the tail's last Q entries are the queries' own tokens: causal among them
+            ahead = torch.arange(t, device=query.device)[None, :] > torch.arange(t - Q, t, device=query.device)[:, None]
+            tail = tail.masked_fill(ahead.repeat(G, 1), -math.inf)
         if not weights:
-            return self._segment_attention(query, scaling), None
-        heads = torch.arange(B * H, device=device).view(B, H, 1, 1)
-        q_pos = self.cumulative_length - Q + torch.arange(Q, device=device)  # (Q,)
-        mine = (self.owner.view(1, 1, 1, -1) == heads) & (self.position.view(1, 1, 1, -1) <= q_pos.view(1, 1, Q, 1))
-        mine = mine[:, :, None].expand(B, H, G, Q, mine.shape[-1]).reshape(B, H, G * Q, -1)  # (B, H_kv, G*Q, N)
-        logits = torch.matmul(query.reshape(B, H, G * Q, D), self.keys[0, 0].transpose(0, 1)).float() * scaling
-        probs = logits.masked_fill(~mine, -math.inf).softmax(-1).to(self.values.dtype)  # (B, H_kv, G*Q, N)
-        out = torch.matmul(probs, self.values[0, 0]).view(B, Hq, Q, -1)
-        L = self.cumulative_length
-        logical = probs.new_zeros(B, H, G * Q, L).scatter_add_(-1, self.position.long().expand(B, H, G * Q, -1), probs)
-        return out, logical.view(B, Hq, Q, L)
+            return self._segment_attention(q, tail, counts, scaling).view(B, Hq, Q, -1), None
+        mine = self.owner.view(1, 1, 1, -1) == torch.arange(B * H, device=query.device).view(B, H, 1, 1)
+        packed = torch.matmul(q, self.keys[0, 0].transpose(0, 1)).float() * scaling  # (B, H_kv, G*Q, N)
+        probs = torch.cat([packed.masked_fill(~mine, -math.inf), tail], -1).softmax(-1).to(self.values.dtype)
+        N = packed.shape[-1]
+        out = torch.matmul(probs[..., :N], self.values[0, 0]) + torch.matmul(probs[..., N:], self.tail_values)
+        logical = probs.new_zeros(B, H, G * Q, self.cumulative_length)
+        logical.scatter_add_(-1, self.position.long().expand(B, H, G * Q, -1), probs[..., :N])
+        logical[..., self.compacted_at:] = probs[..., N:]
+        return out.view(B, Hq, Q, -1), logical.view(B, Hq, Q, -1)
 
-    def _segment_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """:meth:`ragged_attention`'s output, one softmax per (row, KV head) over its own segment (a view): the query
-        heads of a group are its queries, each seeing the entries at or before its position."""
-        B, Hq, Q, D = query.shape
-        H = self.n_kv_heads
-        G = Hq // H
-        out = query.new_empty(B, Hq, Q, self.values.shape[-1])
-        q_pos = self.cumulative_length - Q + torch.arange(Q, device=query.device)
+    def _segment_attention(self, q: torch.Tensor, tail: torch.Tensor, counts: list[int], scaling: float
+                           ) -> torch.Tensor:
+        """:meth:`ragged_attention`'s output `(B, H_kv, G*Q, D)` from ``q`` `(B, H_kv, G*Q, D)` and the tail's
+        logits: one softmax per (row, KV head) over its own segment (a view) and the tail."""
+        B, H = q.shape[:2]
+        out = q.new_empty(B, H, q.shape[2], self.values.shape[-1])
         start = 0
-        for o, n in enumerate(self.segment_counts().tolist()):
+        for o, n in enumerate(counts):
             b, h = divmod(o, H)
             keys, values = self.keys[0, 0, start:start + n], self.values[0, 0, start:start + n]  # (n, D)
-            logits = (query[b, h * G:(h + 1) * G].reshape(G * Q, D) @ keys.T).float() * scaling  # (G*Q, n)
-            if Q > 1:
-                logits = logits.masked_fill((self.position[start:start + n] > q_pos[:, None]).repeat(G, 1), -math.inf)
-            out[b, h * G:(h + 1) * G] = (logits.softmax(-1).to(values.dtype) @ values).view(G, Q, -1)
+            logits = torch.cat([(q[b, h] @ keys.T).float() * scaling, tail[b, h]], -1)
+            probs = logits.softmax(-1).to(values.dtype)
+            out[b, h] = probs[:, :n] @ values + probs[:, n:] @ self.tail_values[b, h]
             start += n
         return out
 
     def kept_sets(self) -> list[list[torch.Tensor]]:
         """The prompt positions each row keeps per KV head: ``[b][h]`` sorted 1-D tensors."""
         if self.ragged:
-            prompt = self.position < self.compacted_at
-            return [[self.position[prompt & (self.owner == b * self.n_kv_heads + h)]
-                     for h in range(self.n_kv_heads)] for b in range(self.budgets.shape[0])]
+            starts = [0] + torch.cumsum(self.segment_counts(), 0).tolist()
+            H = self.n_kv_heads
+            return [[self.position[starts[b * H + h]:starts[b * H + h + 1]] for h in range(H)]
+                    for b in range(self.budgets.shape[0])]
         if self.kept_positions is None:
             B, H = self.keys.shape[:2]
             return [[torch.arange(self.compacted_at, device=self.keys.device) for _ in range(H)] for _ in range(B)]
@@ -236,7 +265,10 @@ class ProxyKVLayer(DynamicLayer):
         """K/V entries stored, summed over rows and heads."""
         if not self.is_initialized or self.keys is None:
             return 0
-        return self.keys.shape[-2] if self.ragged else self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[2]
+        if self.ragged:
+            self.segment_counts()  # the tail apart
+            return self.keys.shape[-2] + self.tail_keys[..., 0].numel()
+        return self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[2]
 
     @property
     def physical_length(self) -> int:
@@ -284,10 +316,9 @@ class ProxyKVLayer(DynamicLayer):
             raise ValueError(f"cannot crop {n} tokens: only the {self.cumulative_length - self.compacted_at} "
                              "tokens added after the compressed prompt can be removed")
         if self.ragged:
-            keep = self.position < self.cumulative_length - n  # each segment loses its last n entries
-            self.keys, self.values = self.keys[:, :, keep], self.values[:, :, keep]
-            self.owner, self.position = self.owner[keep], self.position[keep]
-            self._counts = None if getattr(self, "_counts", None) is None else self._counts - n
+            self.segment_counts()
+            t = self.tail_keys.shape[2] - n  # the tail loses its last n entries
+            self.tail_keys, self.tail_values = self.tail_keys[:, :, :t], self.tail_values[:, :, :t]
         else:
             super().crop(-n)
         self.cumulative_length -= n
@@ -304,14 +335,16 @@ class ProxyKVLayer(DynamicLayer):
 
     def _ragged_rows(self, rows: torch.Tensor) -> None:
         """Ragged layout: new row ``r`` holds old row ``rows[r]``'s entries."""
+        self.segment_counts()
+        self.tail_keys, self.tail_values = self.tail_keys[rows.to(self.keys.device)], \
+            self.tail_values[rows.to(self.keys.device)]
         H, old = self.n_kv_heads, self.owner // self.n_kv_heads
         picks = [torch.nonzero(old == int(src)).flatten() for src in rows.tolist()]
         index = torch.cat(picks)
         new_row = torch.cat([torch.full_like(p, r) for r, p in enumerate(picks)]).to(self.owner.dtype)
         self.keys, self.values = self.keys[:, :, index], self.values[:, :, index]
         self.owner, self.position = new_row * H + self.owner[index] % H, self.position[index]
-        counts = getattr(self, "_counts", None)
-        self._counts = None if counts is None else counts.view(-1, H)[rows.cpu()].flatten()
+        self._counts = self._counts.view(-1, H)[rows.cpu()].flatten()
         self.budgets = self.budgets[rows.cpu()]
 
     def _batch_op(self, rows: torch.Tensor, dense) -> None:
@@ -342,10 +375,6 @@ class _Room:
 
     __slots__ = ("keys", "values", "fill")
 
-    @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys, self.values
-
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, *, extra: int):
         B, H, T, D = keys.shape
         self.keys = keys.new_empty(B, H, T + extra, D)
@@ -364,26 +393,17 @@ def _interleave(packed: torch.Tensor, new: torch.Tensor, sizes: list[int]) -> to
     return torch.cat(pieces)
 
 
-def held_tensors(layer):
-    """Every tensor a cache layer holds (its attributes, and the buffers of a compacted layer's spare room)."""
-    for value in vars(layer).values():
-        if isinstance(value, torch.Tensor):
-            yield value
-        else:
-            yield from (t for t in getattr(value, "tensors", ()) if isinstance(t, torch.Tensor))
-
-
 def held_bytes(layers) -> int:
-    """Bytes of memory the cache ``layers`` hold: the whole storage of every tensor (:func:`held_tensors`), each
-    storage counted once (a view and the tensor it views share one)."""
+    """Bytes of memory the cache ``layers`` hold: the whole storage of every tensor they hold (their attributes, and
+    the buffers of their spare room), each storage counted once (a view and the tensor it views share one)."""
     seen, total = set(), 0
     for layer in layers:
-        for t in held_tensors(layer):
-            storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr(), storage.nbytes())
-            if t.device.type != "meta" and key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
+        for value in vars(layer).values():
+            for t in (value.keys, value.values) if isinstance(value, _Room) else (value,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    key = (t.device, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    total += key[2] if key not in seen else 0
+                    seen.add(key)
     return total
 
 

@@ -366,8 +366,8 @@ class ProxyKVCache(DynamicCache):
     # ----------------------------------------------------------------------------------------------- reuse, size
     def snapshot(self) -> dict:
         """A cheap handle on the current state (tensors are shared, not copied): appends never change what a
-        stored tensor or view shows (:meth:`ProxyKVLayer._append <proxykv_hf.cache.layer.ProxyKVLayer._append>`), so
-        :meth:`restore` brings the cache back, e.g. to answer several questions from one compressed context."""
+        stored tensor or view shows (:meth:`~proxykv_hf.cache.layer.ProxyKVLayer._into_room`), so :meth:`restore`
+        brings the cache back, e.g. to answer several questions from one compressed context."""
         return {"layers": [dict(vars(layer)) for layer in self.layers],
                 "conversation": copy.copy(self.conversation), "prompt": self.prompt}
 

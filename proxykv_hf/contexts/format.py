@@ -40,7 +40,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from ..attention import wrapper as attention
 from .directory import HEADER_NAME, TENSORS_NAME, normalize, write_directory
-from .header import (CHECKSUM, LAYER_SCALARS, LAYER_TENSORS, MAX_HEADER_BYTES, check_header, check_layer_tensors,
+from .header import (CHECKSUM, LAYER_SCALARS, MAX_HEADER_BYTES, check_header, check_layer_tensors,
                      header_checksum, parse_header)
 from ..models.file_errors import writing
 from ..models.fingerprints import describe_model, dtype_name, library_version, model_mismatch, tokenizer_fingerprint
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 """The version this library writes, and the newest it reads."""
 DTYPE_POLICIES = ("refuse", "convert")
-_LAYER_TENSORS, _LAYER_SCALARS = LAYER_TENSORS, LAYER_SCALARS
+_LAYER_SCALARS = LAYER_SCALARS
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -74,11 +74,10 @@ def _layer_state(i: int, layer, tensors: dict[str, torch.Tensor]) -> dict:
         if not layer.compacted:
             raise ValueError(f"layer {i} of the cache is not compacted yet; save a cache after its first prefill")
         state = {"kind": "proxykv", **{name: getattr(layer, name) for name in _LAYER_SCALARS}}
-        for name in _LAYER_TENSORS:
-            value = getattr(layer, name)
-            if value is not None:
-                _to_cpu(tensors, f"layers.{i}.{name}", value)
-        state["tensors"] = [name for name in _LAYER_TENSORS if getattr(layer, name) is not None]
+        saved = layer.saved_tensors()
+        for name, value in saved.items():
+            _to_cpu(tensors, f"layers.{i}.{name}", value)
+        state["tensors"] = list(saved)
         return state
     if isinstance(layer, DynamicSlidingWindowLayer):
         _to_cpu(tensors, f"layers.{i}.keys", layer.keys)

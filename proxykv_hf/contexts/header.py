@@ -14,13 +14,12 @@ from pathlib import Path
 
 import torch
 
+from ..cache.layer import LAYER_TENSORS
 from ..cache.selection import BUDGETS
 
 MAX_HEADER_BYTES = 64 << 20
 """A larger ``context.json`` is refused unread (a header holds scalars and a few digests: kilobytes)."""
 CHECKSUM = "header_sha256"
-LAYER_TENSORS = ("keys", "values", "kept_positions", "budgets", "slot_valid", "owner", "position")
-"""The tensors a ProxyKV layer may save; a sliding-window layer saves ``keys`` and ``values`` only."""
 LAYER_SCALARS = ("cumulative_length", "compacted", "compacted_at", "ragged", "n_kv_heads", "freed")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
