@@ -136,8 +136,9 @@ def test_bench_tiny(tmp_path, capsys):
 
 
 def test_bench_resumes_a_stopped_run(tmp_path, capsys, monkeypatch):
-    """bench.json is saved after each context length; the same command again measures only what is missing, a
-    new length extends the curve, and a run of another setting is refused before any model loads."""
+    """bench.json is saved after each method's row; the same command again measures only what is missing (a length
+    stopped between two methods goes on at the next), a new length extends the curve, and a run of another setting
+    is refused before any model loads."""
     from proxykv_hf.bench.run import Bench
 
     def args(*lengths, keep="0.3"):
@@ -147,7 +148,7 @@ def test_bench_resumes_a_stopped_run(tmp_path, capsys, monkeypatch):
     real, order = Bench._prefill, []
 
     def prefill(self, method, ids):
-        if ids.shape[1] == 96 and ("stopped", 0) not in order:  # the first run stops during its second length
+        if (method, ids.shape[1]) == ("snapkv", 96) and ("stopped", 0) not in order:  # stops in its second length
             raise KeyboardInterrupt
         order.append((method, ids.shape[1]))
         return real(self, method, ids)
@@ -156,15 +157,15 @@ def test_bench_resumes_a_stopped_run(tmp_path, capsys, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         main(args("64", "96"))
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert [(r["context"], r["method"]) for r in saved["rows"]] == [(64, "full"), (64, "snapkv")]
+    assert [(r["context"], r["method"]) for r in saved["rows"]] == [(64, "full"), (64, "snapkv"), (96, "full")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
     del order[:]
     order.append(("stopped", 0))
     main(args("64", "96"))
-    assert {n for _, n in order[1:]} == {96}
+    assert set(order[1:]) == {("snapkv", 96)}  # only the point it stopped at
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
-    assert rows[:2] == saved["rows"] and [(r["context"], r["method"]) for r in rows[2:]] == [(96, "full"),
-                                                                                            (96, "snapkv")]
+    assert rows[:3] == saved["rows"] and [(r["context"], r["method"]) for r in rows[3:]] == [(96, "snapkv")]
+    assert rows[3]["ttft_vs_full"] == rows[3]["ttft_s"] / rows[2]["ttft_s"]  # against the saved full row
     del order[1:]
     main(args("128"))
     assert {n for _, n in order[1:]} == {128}

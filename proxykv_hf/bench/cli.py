@@ -4,8 +4,8 @@ and report.
 The report on stdout is a table for people, then one line of JSON (:func:`~proxykv_hf.bench.run.summary_json`: the
 config, the environment and every row), the interface for scripts: ``json.loads(stdout.splitlines()[-1])``.
 ``--out`` also writes the table, a plot and the same JSON (``bench.json``) to a directory; ``bench.json`` is saved
-after each context length, and a run given the ``--out`` of an earlier one of the same setting measures only the
-lengths that one has not (a long curve survives a stopped process, and grows by lengths).
+after each method's row, and a run given the ``--out`` of an earlier one of the same setting measures only the
+(length, method) points that one has not (a long curve survives a stopped process, and grows by lengths).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _cpu_name() -> str:
 
 
 def earlier_run(out: Path | None, cfg: BenchConfig) -> tuple[BenchConfig, dict | None]:
-    """The run saved in ``out`` (``bench.json``, written after each context length) that this one resumes: the
+    """The run saved in ``out`` (``bench.json``, written after each method's row) that this one resumes: the
     config extended to the lengths of both, and the saved summary (None where there is none).
 
     Raises:
@@ -199,11 +199,12 @@ def run_bench(ns) -> int:
             logger.warning("--fresh-memory applies to the CPU only: on %s the allocator's own peak is used",
                            next(model.parameters()).device)
     bench = Bench(model, scorers, cfg, proxy_runner=runner, memory_probe=probe)
-    pending = len(cfg.context_lengths) - len(bench.measured(done))
+    points = len(cfg.context_lengths) * len(bench.labels())
+    pending = points - sum(map(len, bench.measured(done).values()))
     if done:
-        logger.warning("resuming the run in %s: %d of %d context lengths measured", out,
-                       len(cfg.context_lengths) - pending, len(cfg.context_lengths))
-    with tqdm(total=pending * len(bench.labels()), desc="bench", unit="method") as bar:
+        logger.warning("resuming the run in %s: %d of %d (context length, method) points measured", out,
+                       points - pending, points)
+    with tqdm(total=pending, desc="bench", unit="method") as bar:
         rows = bench.run(progress=lambda row: (bar.set_postfix(context=row["context"], method=row["method"],
                                                                ttft_s=f"{row['ttft_s']:.2f}"), bar.update()),
                          done=done, checkpoint=None if out is None else lambda rows: _save(out, rows, cfg, env))

@@ -286,82 +286,93 @@ class Bench:
         return {"proxy_kind": kind, "proxy_dtype": dtype_name(next(self.proxy_runner.parameters()).dtype),
                 "proxy_s": t_proxy, "mapper_s": t_mapper, "compact_s": t_compact}
 
-    def measured(self, done: list[dict]) -> dict[int, list[dict]]:
-        """The context lengths of this run that ``done`` (rows of an earlier run) covers for every method, with
-        their rows."""
-        lengths = {n: [r for r in done if r["context"] == n] for n in self.config.context_lengths}
-        return {n: rs for n, rs in lengths.items() if [r["method"] for r in rs] == self.labels()}
+    def measured(self, done: list[dict]) -> dict[int, dict[str, dict]]:
+        """The rows of ``done`` (an earlier run of this setting) at this run's context lengths, by length and method:
+        a length may be partly measured (a run stopped between two methods)."""
+        found: dict[int, dict[str, dict]] = {n: {} for n in self.config.context_lengths}
+        for r in done:
+            if r["context"] in found and r["method"] in self.labels():
+                found[r["context"]][r["method"]] = r
+        return found
 
     def run(self, progress=None, done: list[dict] = (), checkpoint=None) -> list[dict]:
         """One row per (context length, method), lengths in order.
 
         Args:
             progress: called with each new row.
-            done: rows of an earlier run of this setting: the lengths they cover for every method are not measured
+            done: rows of an earlier run of this setting: the (length, method) points they hold are not measured
                 again (their rows are returned as they are).
-            checkpoint: called with the rows so far after each context length (to save a long run as it goes).
+            checkpoint: called with the rows so far after each method's row (to save a long run as it goes).
         """
-        cfg, rows = self.config, []
+        cfg, labels = self.config, self.labels()
         earlier = self.measured(done)
-        pending = [n for n in cfg.context_lengths if n not in earlier]
+        pending = [n for n in cfg.context_lengths if len(earlier[n]) < len(labels)]
         ids0 = self._prompt(min(pending)) if pending else None
         for _ in range(cfg.warmup if pending else 0):
-            for method in self.labels():
+            for method in labels:
                 self._prefill(method, ids0)
+        rows: list[dict] = []
         for n in cfg.context_lengths:
-            if n in earlier:
-                rows.extend(earlier[n])
-                continue
-            ids = self._prompt(n)
-            base, runs = {}, {method: [] for method in self.labels()}
-            for _ in range(cfg.repeats):  # methods in turn: a drift in the machine's speed touches each alike
-                for method in self.labels():
-                    _, t = timed(lambda: self._prefill(method, ids), self.device)  # its cache freed at once
-                    runs[method].append(t)
-            for method in self.labels():
-                times, cache = runs[method], None
-                if self.memory_probe is not None:
-                    peak, measure = self.memory_probe(method, n), "fresh process, sampled RSS"
-                    cache = self._prefill(method, ids)  # for its size and the decode
-                else:
-                    with PeakMemory(self.device) as mem:
-                        cache = self._prefill(method, ids)
-                    peak = mem.peak
-                    measure = "CUDA allocator" if self.device.type == "cuda" else "this process, sampled RSS"
-                row = {"context": n, "method": method, "keep_ratio": 1.0 if method == "full" else cfg.keep_ratio,
-                       "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": peak,
-                       "peak_measure": measure, "kv_bytes": cache.nbytes(), "flops": self._flops(method, n)}
-                if cfg.decode_tokens:
-                    row.update(self._decode(cache))
-                if method == "full":
-                    base = row
-                    if self.proxy_runner is not None and "proxykv" in cfg.methods:
-                        base["breakdown"] = self._breakdown(ids, cache if cfg.decode_tokens == 0 else
-                                                            self._prefill("full", ids), row["ttft_s"])
-                row["ttft_vs_full"] = row["ttft_s"] / base["ttft_s"]
-                row["peak_vs_full"] = row["peak_prefill_bytes"] / max(1, base["peak_prefill_bytes"])
-                if row["flops"] is not None and base["flops"] is not None:
-                    row["flops_vs_full"] = row["flops"]["total"] / base["flops"]["total"]
-                if "decode_ms_per_token" in row:
-                    row["decode_vs_full"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
-                    row["decode_eager_vs_full"] = (row["decode_eager_ms_per_token"]
-                                                   / base["decode_eager_ms_per_token"])
-                if method == "proxykv" and "breakdown" in base:
-                    b = dict(base["breakdown"])
-                    side = b["proxy_s"] + b["mapper_s"]
-                    extra = row["ttft_s"] - base["ttft_s"] - b["compact_s"]
-                    b["target_prefill_s"] = base["ttft_s"]
-                    # a self proxy scores inside the target's prefill: on the critical path by design
-                    b["overlap_fraction"] = 0.0 if b["proxy_kind"] == "self" else \
-                        max(0.0, min(1.0, 1 - extra / side)) if side > 0 else 1.0
-                    row["breakdown"] = b
-                rows.append(row)
-                logger.info("bench %s", json.dumps(row))
-                if progress is not None:
-                    progress(row)
-            if checkpoint is not None:
-                checkpoint(rows)
+            have = earlier[n]
+            todo = [m for m in labels if m not in have]
+            ids = self._prompt(n) if todo else None
+            # timed more than once, the methods take turns (a drift in the machine's speed touches each alike);
+            # timed once, each is measured whole and saved before the next (a long point resumes method by method)
+            for block in ([todo] if cfg.repeats > 1 else [[m] for m in todo]):
+                runs = {method: [] for method in block}
+                for _ in range(cfg.repeats):
+                    for method in block:
+                        _, t = timed(lambda: self._prefill(method, ids), self.device)  # its cache freed at once
+                        runs[method].append(t)
+                for method in block:
+                    have[method] = self._row(n, method, runs[method], ids, have.get("full"))
+                    logger.info("bench %s", json.dumps(have[method]))
+                    if progress is not None:
+                        progress(have[method])
+                    if checkpoint is not None:
+                        checkpoint(rows + [have[m] for m in labels if m in have])
+            rows.extend(have[m] for m in labels)
         return rows
+
+    def _row(self, n: int, method: str, times: list[float], ids, base: dict | None) -> dict:
+        """The row of ``method`` at ``n`` tokens from its timed prefills ``times``: one more prefill for its peak
+        memory, cache size and decode; ratios to ``base``, the full cache's row (None: this is it)."""
+        cfg = self.config
+        if self.memory_probe is not None:
+            peak, measure = self.memory_probe(method, n), "fresh process, sampled RSS"
+            cache = self._prefill(method, ids)  # for its size and the decode
+        else:
+            with PeakMemory(self.device) as mem:
+                cache = self._prefill(method, ids)
+            peak = mem.peak
+            measure = "CUDA allocator" if self.device.type == "cuda" else "this process, sampled RSS"
+        row = {"context": n, "method": method, "keep_ratio": 1.0 if method == "full" else cfg.keep_ratio,
+               "ttft_s": statistics.median(times), "ttft_runs_s": times, "peak_prefill_bytes": peak,
+               "peak_measure": measure, "kv_bytes": cache.nbytes(), "flops": self._flops(method, n)}
+        if cfg.decode_tokens:
+            row.update(self._decode(cache))
+        if method == "full":
+            base = row
+            if self.proxy_runner is not None and "proxykv" in cfg.methods:
+                base["breakdown"] = self._breakdown(ids, cache if cfg.decode_tokens == 0 else
+                                                    self._prefill("full", ids), row["ttft_s"])
+        row["ttft_vs_full"] = row["ttft_s"] / base["ttft_s"]
+        row["peak_vs_full"] = row["peak_prefill_bytes"] / max(1, base["peak_prefill_bytes"])
+        if row["flops"] is not None and base["flops"] is not None:
+            row["flops_vs_full"] = row["flops"]["total"] / base["flops"]["total"]
+        if "decode_ms_per_token" in row:
+            row["decode_vs_full"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
+            row["decode_eager_vs_full"] = row["decode_eager_ms_per_token"] / base["decode_eager_ms_per_token"]
+        if method == "proxykv" and "breakdown" in base:
+            b = dict(base["breakdown"])
+            side = b["proxy_s"] + b["mapper_s"]
+            extra = row["ttft_s"] - base["ttft_s"] - b["compact_s"]
+            b["target_prefill_s"] = base["ttft_s"]
+            # a self proxy scores inside the target's prefill: on the critical path by design
+            b["overlap_fraction"] = 0.0 if b["proxy_kind"] == "self" else \
+                max(0.0, min(1.0, 1 - extra / side)) if side > 0 else 1.0
+            row["breakdown"] = b
+        return row
 
 
 def table(rows: list[dict]) -> str:

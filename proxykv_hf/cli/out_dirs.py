@@ -113,7 +113,7 @@ def _eval_run(path: Path) -> bool:
 
 
 def _bench_run(path: Path) -> bool:
-    """A bench run's summary (saved after each context length), or only its first one being written."""
+    """A bench run's summary (saved after each method's row), or only its first one being written."""
     if not (path / "bench.json").exists() and not (path / "bench.json").is_symlink():
         return all(p.name == "bench.json.tmp" for p in path.iterdir())
     summary = _json(path / "bench.json") or {}
