@@ -261,3 +261,17 @@ def test_the_packed_layout_holds_only_the_index_it_needs(tmp_path):
     assert caches["global"].nbytes() <= caches["uniform"].nbytes() + 8 * 3 * 2 * 4  # + the (B, H_kv) budgets
     caches["global"].save_context(tmp_path / "ctx")
     assert ProxyKVCache.load_context(tmp_path / "ctx", model).nbytes() == caches["global"].nbytes()
+
+
+def test_entry_bytes_counts_the_tokens_after_the_prompt():
+    """The evaluation's ``kv_bytes`` of a global-budget cache after an answer: the kept prompt entries and the tokens
+    added since (held in the layer's tail), as for the uniform layout."""
+    from proxykv_hf.eval.methods import entry_bytes
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    cache = ProxyKVCache(SnapKVScorer(window=8), 0.3, budget="global")
+    model.generate(**random_prompt(1, 60, seed=3), **with_cache(cache), max_new_tokens=4, **GEN)
+    assert all(layer.tail_keys.shape[2] == 3 for layer in cache.layers)  # the fed-back tokens
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert entry_bytes(cache) == cache.held_entries() * 2 * head_dim * 4  # K and V, float32
+    assert sum(cache.physical_lengths()) == cache.held_entries()

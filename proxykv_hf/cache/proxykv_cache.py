@@ -382,9 +382,9 @@ class ProxyKVCache(DynamicCache):
         self.calls.forget()
 
     def physical_lengths(self) -> list[int]:
-        """Entries stored per layer (compacted layers: K plus the tokens added since)."""
-        return [layer.keys.shape[-2] if layer.is_initialized and layer.keys is not None else 0
-                for layer in self.layers]
+        """Entries stored per layer and KV head (compacted: K plus the tokens added since; global budget: all heads)."""
+        return [0 if not layer.is_initialized or layer.keys is None else layer.held_entries()
+                if getattr(layer, "ragged", False) else layer.keys.shape[-2] for layer in self.layers]
 
     def nbytes(self) -> int:
         """Bytes of memory the cache's layers hold: every tensor's whole storage, counted once (K/V with the spare

@@ -220,7 +220,9 @@ def entry_bytes(cache, row: int | None = None) -> int:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None:
             continue
-        for t in (layer.keys, layer.values):
+        for t in (layer.keys, layer.values, getattr(layer, "tail_keys", None), getattr(layer, "tail_values", None)):
+            if t is None:  # the global budget's tail (the tokens after the prompt) is the last two
+                continue
             if row is None:
                 total += t.numel() * t.element_size()
                 continue
