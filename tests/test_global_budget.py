@@ -191,6 +191,13 @@ def test_a_layer_laid_out_as_a_file_or_an_older_release_holds_it_is_put_in_order
     assert all(torch.equal(a, b) for a, b in zip(old.kept_sets()[0], layer.kept_sets()[0]))
     torch.testing.assert_close(old.ragged_attention(q, 0.5)[0], want)
     assert all(torch.equal(old.saved_tensors()[name], t) for name, t in saved.items())
+    uneven = ProxyKVLayer()  # a later token given to one head twice and to another not at all: refused, not misread
+    uneven.__dict__.update({k: v for k, v in vars(old).items() if k not in ("tail_keys", "tail_values", "_counts")})
+    owner = saved["owner"].clone()
+    owner[saved["position"] == layer.compacted_at] = 0
+    uneven.keys, uneven.values, uneven.owner, uneven.position = saved["keys"], saved["values"], owner, saved["position"]
+    with pytest.raises(ValueError, match="once per"):
+        uneven.segment_counts()
 
 
 @pytest.mark.parametrize("scorer", ["kvzip", "snapkv"])

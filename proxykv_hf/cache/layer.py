@@ -172,8 +172,11 @@ class ProxyKVLayer(DynamicLayer):
             self.owner, self.position = self.owner[order], self.position[order]
         B, H, t = self.budgets.shape[0], self.n_kv_heads, self.cumulative_length - self.compacted_at
         later = self.position >= self.compacted_at
-        self.tail_keys = self.keys[0, 0, later].view(B, H, t, -1)
-        self.tail_values = self.values[0, 0, later].view(B, H, t, -1)
+        owners = self.owner[later].long()
+        if owners.numel() != B * H * t or not torch.equal(owners, torch.arange(B * H).repeat_interleave(t).to(owners)):
+            raise ValueError(f"a packed layer must hold each of its {t} later tokens once per (row, KV head)")
+        self.tail_keys = self.keys[0, 0, later].view(B, H, t, self.keys.shape[-1])
+        self.tail_values = self.values[0, 0, later].view(B, H, t, self.values.shape[-1])
         if t:
             prompt = ~later
             self.keys, self.values = self.keys[:, :, prompt], self.values[:, :, prompt]
@@ -387,10 +390,7 @@ class _Room:
 def _interleave(packed: torch.Tensor, new: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     """``packed`` `(N, ...)`, segments of ``sizes`` entries, with ``new[o]`` `(q, ...)` at the end of segment ``o``:
     one concatenation."""
-    pieces = []
-    for segment, tail in zip(packed.split(sizes), new):
-        pieces += (segment, tail)
-    return torch.cat(pieces)
+    return torch.cat([piece for segment_and_tail in zip(packed.split(sizes), new) for piece in segment_and_tail])
 
 
 def held_bytes(layers) -> int:
