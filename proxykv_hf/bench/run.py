@@ -290,8 +290,9 @@ class Bench:
         """The rows of ``done`` (an earlier run of this setting) at this run's context lengths, by length and method:
         a length may be partly measured (a run stopped between two methods)."""
         found: dict[int, dict[str, dict]] = {n: {} for n in self.config.context_lengths}
+        labels = self.labels()
         for r in done:
-            if r["context"] in found and r["method"] in self.labels():
+            if r["context"] in found and r["method"] in labels:
                 found[r["context"]][r["method"]] = r
         return found
 

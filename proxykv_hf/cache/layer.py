@@ -156,15 +156,17 @@ class ProxyKVLayer(DynamicLayer):
     def segment_counts(self) -> torch.Tensor:
         """Packed layout: `(B * H_kv,)` prompt entries in each (row, KV head)'s segment, on the CPU (known without a
         device sync after compaction; counted once after a load, where the layout is put in order first)."""
-        if getattr(self, "tail_keys", None) is None:
-            self._split_tail()
+        self._split_tail()
         if getattr(self, "_counts", None) is None:
             self._counts = torch.bincount(self.owner.long(), minlength=self.budgets.numel()).cpu()
         return self._counts
 
     def _split_tail(self) -> None:
         """A packed layer as a saved context (or an older release) holds it, the later tokens inside the segments,
-        maybe out of order: sorted by owner, then position, and the later tokens moved to the tail."""
+        maybe out of order: sorted by owner, then position, and the later tokens moved to the tail (once: a layer
+        with a tail is left as it is)."""
+        if getattr(self, "tail_keys", None) is not None:
+            return
         key = self.owner.long() * (self.cumulative_length + 1) + self.position.long()
         if bool((key[1:] < key[:-1]).any()):
             order = torch.argsort(key)
@@ -189,20 +191,18 @@ class ProxyKVLayer(DynamicLayer):
         sizes = self.segment_counts().tolist() if self.ragged else None  # the layout in order first
         found = {name: getattr(self, name) for name in LAYER_TENSORS if getattr(self, name) is not None}
         if sizes is not None and self.tail_keys.shape[2]:
-            B, H, t, D = self.tail_keys.shape
+            B, H, t, _ = self.tail_keys.shape
             at = torch.arange(t, device=self.keys.device, dtype=INDEX_DTYPE)
-            tail = {"keys": self.tail_keys.reshape(B * H, t, D), "values": self.tail_values.reshape(B * H, t, -1),
-                    "owner": torch.arange(B * H, device=at.device, dtype=INDEX_DTYPE)[:, None].expand(-1, t),
-                    "position": (self.compacted_at + at).expand(B * H, t)}
-            for name, later in tail.items():
-                packed = _interleave(found[name].flatten(0, -2) if name in ("keys", "values") else found[name],
-                                     later, sizes)
-                found[name] = packed[None, None] if name in ("keys", "values") else packed
+            owner = torch.arange(B * H, device=at.device, dtype=INDEX_DTYPE)[:, None].expand(-1, t)
+            found["keys"] = _interleave(self.keys[0, 0], self.tail_keys.flatten(0, 1), sizes)[None, None]
+            found["values"] = _interleave(self.values[0, 0], self.tail_values.flatten(0, 1), sizes)[None, None]
+            found["owner"] = _interleave(self.owner, owner, sizes)
+            found["position"] = _interleave(self.position, (self.compacted_at + at).expand(B * H, t), sizes)
         return found
 
     def _append_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """The ``q`` new tokens of every row and head, at the end of the tail (in its spare room)."""
-        self.segment_counts()  # the layout in order, the tail apart
+        self._split_tail()
         self.tail_keys, self.tail_values = self._into_room(self.tail_keys, self.tail_values, key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         return self.keys, self.values
@@ -269,7 +269,7 @@ class ProxyKVLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None:
             return 0
         if self.ragged:
-            self.segment_counts()  # the tail apart
+            self._split_tail()
             return self.keys.shape[-2] + self.tail_keys[..., 0].numel()
         return self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[2]
 
@@ -319,7 +319,7 @@ class ProxyKVLayer(DynamicLayer):
             raise ValueError(f"cannot crop {n} tokens: only the {self.cumulative_length - self.compacted_at} "
                              "tokens added after the compressed prompt can be removed")
         if self.ragged:
-            self.segment_counts()
+            self._split_tail()
             t = self.tail_keys.shape[2] - n  # the tail loses its last n entries
             self.tail_keys, self.tail_values = self.tail_keys[:, :, :t], self.tail_values[:, :, :t]
         else:
@@ -338,9 +338,9 @@ class ProxyKVLayer(DynamicLayer):
 
     def _ragged_rows(self, rows: torch.Tensor) -> None:
         """Ragged layout: new row ``r`` holds old row ``rows[r]``'s entries."""
-        self.segment_counts()
-        self.tail_keys, self.tail_values = self.tail_keys[rows.to(self.keys.device)], \
-            self.tail_values[rows.to(self.keys.device)]
+        self.segment_counts()  # counted before the rows move
+        picked = rows.to(self.keys.device)
+        self.tail_keys, self.tail_values = self.tail_keys[picked], self.tail_values[picked]
         H, old = self.n_kv_heads, self.owner // self.n_kv_heads
         picks = [torch.nonzero(old == int(src)).flatten() for src in rows.tolist()]
         index = torch.cat(picks)
